@@ -1,0 +1,3 @@
+"""The MCP Edge device agent: hardware profiles, local inference, the fleet session."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,71 @@
+"""Signed model bundles (``.mcpb``): build, sign, verify, open, inspect.
+
+A bundle is an uncompressed POSIX ustar archive holding ``manifest.json``, optionally
+``manifest.sig`` (Ed25519 over the canonical manifest) and the files the manifest lists with
+their sha256 and size. ``docs/bundle-format.md`` is the reference.
+
+Typical use::
+
+    from shared.bundle import build_bundle, sign_bundle, verify_bundle, open_bundle
+
+    build_bundle("model.onnx", "digits-1.3.0.mcpb", name="digits", version="1.3.0")
+    sign_bundle("digits-1.3.0.mcpb", publisher_key)
+    verified = verify_bundle("digits-1.3.0.mcpb", [publisher_key.public_key])
+    opened = open_bundle("digits-1.3.0.mcpb", models_dir / "digits-1.3.0", trusted_keys)
+
+Every failure is a :class:`~shared.errors.BundleError` whose ``member`` names the file at
+fault (:class:`~shared.errors.ModelValidationError` for a model that fails its checks,
+:class:`RuntimeUnavailableError` when the TFLite runtime is missing). onnx, onnxruntime and
+the TFLite runtime are imported only when a model is validated or run.
+"""
+
+from shared.bundle.archive import (
+    BundleLimits,
+    OpenedBundle,
+    VerifiedBundle,
+    inspect_bundle,
+    open_bundle,
+    verify_bundle,
+)
+from shared.bundle.build import VariantSource, build_bundle, encode_manifest, sign_bundle
+from shared.bundle.manifest import (
+    SCHEMA_VERSION,
+    BundleManifest,
+    Constraints,
+    DriftBaseline,
+    FeatureBaseline,
+    FileEntry,
+    Histogram,
+    LabelsRef,
+    OutputBaseline,
+    Preprocessing,
+    TensorSpec,
+    Variant,
+)
+from shared.bundle.models import RuntimeUnavailableError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BundleLimits",
+    "BundleManifest",
+    "Constraints",
+    "DriftBaseline",
+    "FeatureBaseline",
+    "FileEntry",
+    "Histogram",
+    "LabelsRef",
+    "OpenedBundle",
+    "OutputBaseline",
+    "Preprocessing",
+    "RuntimeUnavailableError",
+    "TensorSpec",
+    "Variant",
+    "VariantSource",
+    "VerifiedBundle",
+    "build_bundle",
+    "encode_manifest",
+    "inspect_bundle",
+    "open_bundle",
+    "sign_bundle",
+    "verify_bundle",
+]

@@ -1,0 +1,509 @@
+"""Reading bundles safely: verify, open (extract) and inspect.
+
+Nothing here calls ``tarfile.extractall`` or trusts a header. :func:`scan_bundle` walks the
+archive once, in this order, and stops at the first failure with a :class:`BundleError`
+whose ``member`` names the file at fault:
+
+1. the bundle is a regular file no larger than ``max_bundle_bytes``;
+2. the first member is ``manifest.json`` (at most ``max_manifest_bytes``), strict JSON;
+3. ``manifest.sig`` (at most ``max_signature_bytes``) directly follows when present; it is
+   checked against the trusted keys over ``canonical_json(manifest)``; a missing one is an
+   error when a signature is required;
+4. the manifest passes its schema (:class:`~shared.bundle.manifest.BundleManifest`) and its
+   listed sizes and member count fit the caps;
+5. every further header: a safe relative name, not seen before (also ignoring letter case),
+   listed in the manifest, with the listed size; only then is its data streamed (to a file in
+   the staging directory, or just hashed) and its sha256 compared;
+6. the end-of-archive marker, only zeros after it, and no listed file missing;
+7. each variant's model validates and has the I/O signature the manifest records; the labels
+   file is UTF-8 with the recorded number of labels.
+
+Files are written only inside a staging directory created with :func:`tempfile.mkdtemp`;
+:func:`open_bundle` renames it to the caller's destination only after every check passed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from shared.bundle._progress import progress_bar
+from shared.bundle.manifest import (
+    MANIFEST_NAME,
+    RESERVED_NAMES,
+    SIGNATURE_NAME,
+    BundleManifest,
+    member_name_problem,
+)
+from shared.bundle.models import inspect_model
+from shared.bundle.tarstream import MemberHeader, TarStream, bundle_error
+from shared.errors import (
+    BadSignatureError,
+    MalformedSignatureError,
+    SigningError,
+    UnknownSignerError,
+)
+from shared.fsutil import fsync_dir
+from shared.signing import PublicKey, canonical_json, parse_signature, verify_signature
+
+SignaturePolicy = Literal["require", "optional", "ignore"]
+
+
+@dataclass(frozen=True)
+class BundleLimits:
+    """Size caps applied while reading a bundle (bytes, except ``max_members``)."""
+
+    max_manifest_bytes: int = 1 << 20
+    max_signature_bytes: int = 4096
+    max_member_bytes: int = 2 << 30
+    max_members: int = 64
+    max_bundle_bytes: int = 8 << 30
+
+
+@dataclass(frozen=True)
+class VerifiedBundle:
+    """A bundle that passed every check.
+
+    ``signer_keyid`` is the trusted key that signed it, or None when it was accepted unsigned
+    (or its signature could not be checked because no trusted keys were given).
+    ``claimed_keyid`` is the key id manifest.sig names, verified or not.
+    """
+
+    manifest: BundleManifest
+    signer_keyid: str | None
+    claimed_keyid: str | None
+    bundle_sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class OpenedBundle(VerifiedBundle):
+    """A verified bundle unpacked under ``root`` (manifest.json and manifest.sig included)."""
+
+    root: Path = field(default=Path())
+
+    def path_of(self, member: str) -> Path:
+        """Where a listed member lies on disk; raises KeyError for an unlisted one."""
+        self.manifest.file_entry(member)
+        return self.root / member
+
+    def variant_path(self, tag: str) -> Path:
+        """The model file of variant ``tag``; raises KeyError if there is no such variant."""
+        return self.root / self.manifest.variant(tag).file
+
+
+@dataclass
+class ScanResult:
+    """Everything :func:`scan_bundle` learned; ``staged`` maps member names to files."""
+
+    manifest: BundleManifest
+    manifest_bytes: bytes
+    signature_bytes: bytes | None
+    signer_keyid: str | None
+    claimed_keyid: str | None
+    bundle_sha256: str
+    size: int
+    staged: dict[str, Path]
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ValueError(f"duplicate key {key!r:.60}")
+        result[key] = value
+    return result
+
+
+def _bad_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+def load_strict_json(data: bytes, member: str) -> dict[str, Any]:
+    """Parse a JSON object, refusing duplicate keys, NaN/Infinity and invalid UTF-8."""
+    try:
+        doc = json.loads(
+            data.decode("utf-8"),
+            object_pairs_hook=_no_duplicate_keys,
+            parse_constant=_bad_constant,
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise bundle_error(f"not valid JSON: {e}", member) from e
+    if not isinstance(doc, dict):
+        raise bundle_error("must hold a JSON object", member)
+    return doc
+
+
+def validation_summary(error: ValidationError) -> str:
+    """One line naming the first few fields that failed and why."""
+    parts = []
+    for item in error.errors()[:3]:
+        loc = ".".join(str(p) for p in item["loc"]) or "manifest"
+        parts.append(f"{loc}: {item['msg']}")
+    more = error.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _check_signature(
+    manifest_doc: dict[str, Any],
+    signature_bytes: bytes | None,
+    trusted: dict[str, PublicKey],
+    policy: SignaturePolicy,
+) -> tuple[str | None, str | None]:
+    """Return ``(verified signer keyid, claimed keyid)`` or raise BundleError."""
+    if policy == "ignore":
+        return None, None
+    if signature_bytes is None:
+        if policy == "require":
+            raise bundle_error(
+                "bundle is not signed but a signature is required (sign it with `mcp-bundle sign`)",
+                SIGNATURE_NAME,
+            )
+        return None, None
+    sig_doc = load_strict_json(signature_bytes, SIGNATURE_NAME)
+    try:
+        claimed, _ = parse_signature(sig_doc)
+    except MalformedSignatureError as e:
+        raise bundle_error(f"malformed signature: {e}", SIGNATURE_NAME) from e
+    if not trusted:
+        return None, claimed
+    try:
+        data = canonical_json(manifest_doc)
+        return verify_signature(data, sig_doc, trusted), claimed
+    except UnknownSignerError as e:
+        raise bundle_error(
+            f"signed by key {claimed[:16]}, which is not among the trusted keys", SIGNATURE_NAME
+        ) from e
+    except BadSignatureError as e:
+        raise bundle_error(
+            f"signature in {SIGNATURE_NAME} by key {claimed[:16]} does not match the manifest "
+            "(manifest tampered with, or a wrong signature)",
+            MANIFEST_NAME,
+        ) from e
+    except SigningError as e:
+        raise bundle_error(f"signature unusable: {e}", SIGNATURE_NAME) from e
+
+
+def _parse_manifest(doc: dict[str, Any], limits: BundleLimits) -> BundleManifest:
+    try:
+        manifest = BundleManifest.model_validate_json(canonical_json(doc))
+    except (ValidationError, SigningError) as e:
+        detail = validation_summary(e) if isinstance(e, ValidationError) else str(e)
+        raise bundle_error(f"invalid manifest: {detail}", MANIFEST_NAME) from e
+    members = len(manifest.files) + 2
+    if members > limits.max_members:
+        raise bundle_error(
+            f"lists {len(manifest.files)} files; at most {limits.max_members - 2} are allowed",
+            MANIFEST_NAME,
+        )
+    for entry in manifest.files:
+        if entry.size > limits.max_member_bytes:
+            raise bundle_error(
+                f"{entry.size} bytes is over the member cap of {limits.max_member_bytes}",
+                entry.path,
+            )
+    return manifest
+
+
+def _capped_small(stream: TarStream, header: MemberHeader, cap: int) -> bytes:
+    if header.size > cap:
+        raise bundle_error(f"{header.size} bytes is over the cap of {cap} bytes", header.name)
+    return stream.read_small(header)
+
+
+def _stage_file(stage_dir: Path, name: str) -> tuple[Path, int]:
+    target = stage_dir / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    return target, os.open(target, flags, 0o644)
+
+
+def _read_member(
+    stream: TarStream, header: MemberHeader, manifest: BundleManifest, stage_dir: Path | None
+) -> Path | None:
+    entry = manifest.file_entry(header.name)
+    if header.size != entry.size:
+        raise bundle_error(
+            f"header says {header.size} bytes but the manifest lists {entry.size}", header.name
+        )
+    if stage_dir is None:
+        digest = stream.copy_data(header, None)
+        target = None
+    else:
+        target, fd = _stage_file(stage_dir, header.name)
+        with os.fdopen(fd, "wb") as out:
+            digest = stream.copy_data(header, out.write)
+            out.flush()
+            os.fsync(out.fileno())
+    if digest != entry.sha256:
+        raise bundle_error(
+            f"sha256 mismatch: manifest lists {entry.sha256[:16]}..., content is "
+            f"{digest[:16]}... (file tampered with or corrupt)",
+            header.name,
+        )
+    return target
+
+
+def _check_header(
+    header: MemberHeader, manifest: BundleManifest, seen: set[str], limits: BundleLimits
+) -> None:
+    name = header.name
+    problem = member_name_problem(name)
+    if problem is not None:
+        raise bundle_error(problem, name)
+    if name.casefold() in seen:
+        raise bundle_error("duplicate member (appears twice in the archive)", name)
+    if name in RESERVED_NAMES:
+        raise bundle_error(f"{name} may appear only at the start of the bundle", name)
+    if len(seen) + 1 > limits.max_members:
+        raise bundle_error(f"more than {limits.max_members} members", name)
+    if header.size > limits.max_member_bytes:
+        raise bundle_error(
+            f"{header.size} bytes is over the member cap of {limits.max_member_bytes}", name
+        )
+    if not any(f.path == name for f in manifest.files):
+        raise bundle_error("not listed in the manifest", name)
+
+
+def _read_metadata(
+    stream: TarStream, limits: BundleLimits
+) -> tuple[bytes, bytes | None, MemberHeader | None]:
+    first = stream.next_header()
+    if first is None:
+        raise bundle_error("bundle is empty (no manifest.json)")
+    if first.name != MANIFEST_NAME:
+        raise bundle_error(f"the first member must be {MANIFEST_NAME}", first.name)
+    manifest_bytes = _capped_small(stream, first, limits.max_manifest_bytes)
+    header = stream.next_header()
+    signature_bytes = None
+    if header is not None and header.name == SIGNATURE_NAME:
+        signature_bytes = _capped_small(stream, header, limits.max_signature_bytes)
+        header = stream.next_header()
+    return manifest_bytes, signature_bytes, header
+
+
+def scan_bundle(
+    path: Path | str,
+    *,
+    trusted_keys: Iterable[PublicKey] = (),
+    signature: SignaturePolicy = "require",
+    limits: BundleLimits | None = None,
+    stage_dir: Path | None = None,
+    validate_models: bool = True,
+    metadata_only: bool = False,
+    progress: bool = False,
+) -> ScanResult:
+    """Walk and check a bundle in one pass (see the module docstring for the order).
+
+    With ``stage_dir``, member data is written below it (it must be an empty private
+    directory); ``validate_models`` needs ``stage_dir``. With ``metadata_only``, stop after
+    the manifest and signature checks (nothing after them is read).
+    Raises :class:`BundleError`, or :class:`OSError` when the file cannot be read.
+    """
+    limits = limits or BundleLimits()
+    trusted = {k.keyid: k for k in trusted_keys}
+    if validate_models and stage_dir is None and not metadata_only:
+        raise ValueError("validate_models needs a stage_dir")
+    path = Path(path)
+    whole = hashlib.sha256()
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise bundle_error(f"{path} is not a regular file")
+        if st.st_size > limits.max_bundle_bytes:
+            raise bundle_error(
+                f"{path} is {st.st_size} bytes, over the bundle cap of {limits.max_bundle_bytes}"
+            )
+        bar = progress_bar(st.st_size, "verify", progress and not metadata_only)
+        try:
+            stream = TarStream(f, whole.update, bar)
+            manifest_bytes, signature_bytes, header = _read_metadata(stream, limits)
+            doc = load_strict_json(manifest_bytes, MANIFEST_NAME)
+            signer, claimed = _check_signature(doc, signature_bytes, trusted, signature)
+            manifest = _parse_manifest(doc, limits)
+            result = ScanResult(
+                manifest, manifest_bytes, signature_bytes, signer, claimed, "", st.st_size, {}
+            )
+            if metadata_only:
+                return result
+            seen = {MANIFEST_NAME} | ({SIGNATURE_NAME} if signature_bytes is not None else set())
+            while header is not None:
+                _check_header(header, manifest, seen, limits)
+                seen.add(header.name.casefold())
+                staged = _read_member(stream, header, manifest, stage_dir)
+                if staged is not None:
+                    result.staged[header.name] = staged
+                header = stream.next_header()
+            stream.finish()
+        finally:
+            bar.close()
+    for entry in manifest.files:
+        if entry.path.casefold() not in seen:
+            raise bundle_error("listed in the manifest but missing from the bundle", entry.path)
+    result.bundle_sha256 = whole.hexdigest()
+    if validate_models and stage_dir is not None:
+        check_contents(manifest, stage_dir)
+    return result
+
+
+def check_contents(manifest: BundleManifest, root: Path) -> None:
+    """Validate each variant's model and the labels file of an unpacked bundle at ``root``.
+
+    Raises :class:`BundleError` (:class:`~shared.errors.ModelValidationError` for a model).
+    """
+    for variant in manifest.variants:
+        info = inspect_model(root / variant.file, variant.format, member=variant.file)
+        if (info.inputs, info.outputs) != (variant.inputs, variant.outputs):
+            raise bundle_error(
+                "model inputs/outputs differ from those the manifest records", variant.file
+            )
+    if manifest.labels is not None:
+        raw = (root / manifest.labels.file).read_bytes()
+        try:
+            labels = [line for line in raw.decode("utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError as e:
+            raise bundle_error("labels file is not UTF-8", manifest.labels.file) from e
+        if len(labels) != manifest.labels.count:
+            raise bundle_error(
+                f"holds {len(labels)} labels, the manifest says {manifest.labels.count}",
+                manifest.labels.file,
+            )
+
+
+def verify_bundle(
+    path: Path | str,
+    trusted_keys: Iterable[PublicKey] = (),
+    *,
+    require_signature: bool = True,
+    limits: BundleLimits | None = None,
+    validate_models: bool = True,
+    work_dir: Path | None = None,
+    progress: bool = False,
+) -> VerifiedBundle:
+    """Check a bundle end to end without keeping anything.
+
+    A signature present is always checked when ``trusted_keys`` are given; with
+    ``require_signature`` a bundle without one, or with no trusted keys to check it against,
+    is refused. With ``validate_models`` the members are unpacked into a private temporary
+    directory (under ``work_dir`` or the system's), the models are validated there and the
+    directory is removed. Raises :class:`BundleError`; ValueError when a signature is
+    required but no trusted keys are given.
+    """
+    keys = list(trusted_keys)
+    if require_signature and not keys:
+        raise ValueError("a signature is required but no trusted keys were given")
+    policy: SignaturePolicy = "require" if require_signature else "optional"
+    stage = Path(tempfile.mkdtemp(prefix="mcpb-verify-", dir=work_dir)) if validate_models else None
+    try:
+        result = scan_bundle(
+            path,
+            trusted_keys=keys,
+            signature=policy,
+            limits=limits,
+            stage_dir=stage,
+            validate_models=validate_models,
+            progress=progress,
+        )
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+    return VerifiedBundle(
+        result.manifest,
+        result.signer_keyid,
+        result.claimed_keyid,
+        result.bundle_sha256,
+        result.size,
+    )
+
+
+def open_bundle(
+    path: Path | str,
+    dest: Path | str,
+    trusted_keys: Iterable[PublicKey] = (),
+    *,
+    require_signature: bool = True,
+    limits: BundleLimits | None = None,
+    validate_models: bool = True,
+    progress: bool = False,
+) -> OpenedBundle:
+    """Verify a bundle and unpack it into the new directory ``dest``.
+
+    Members are staged in a private directory beside ``dest`` (same file system), fsynced,
+    checked, and the directory is renamed to ``dest`` only when everything passed; on any
+    failure the staging directory is removed and ``dest`` is not created. ``dest`` must not
+    exist; its parent must. Raises :class:`BundleError`, :class:`FileExistsError`, ValueError
+    (signature required without trusted keys).
+    """
+    keys = list(trusted_keys)
+    if require_signature and not keys:
+        raise ValueError("a signature is required but no trusted keys were given")
+    dest = Path(dest)
+    if dest.exists() or dest.is_symlink():
+        raise FileExistsError(f"{dest} already exists")
+    stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
+    try:
+        result = scan_bundle(
+            path,
+            trusted_keys=keys,
+            signature="require" if require_signature else "optional",
+            limits=limits,
+            stage_dir=stage,
+            validate_models=validate_models,
+            progress=progress,
+        )
+        _write_small(stage / MANIFEST_NAME, result.manifest_bytes)
+        if result.signature_bytes is not None:
+            _write_small(stage / SIGNATURE_NAME, result.signature_bytes)
+        for directory in {p.parent for p in result.staged.values()} | {stage}:
+            os.chmod(directory, 0o755)
+            fsync_dir(directory)
+        os.rename(stage, dest)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    fsync_dir(dest.parent)
+    return OpenedBundle(
+        result.manifest,
+        result.signer_keyid,
+        result.claimed_keyid,
+        result.bundle_sha256,
+        result.size,
+        root=dest,
+    )
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def inspect_bundle(path: Path | str, *, limits: BundleLimits | None = None) -> dict[str, Any]:
+    """Describe a bundle from its manifest and signature, reading nothing after them.
+
+    Neither hashes nor the signature are checked (use :func:`verify_bundle`); the manifest
+    must still pass its schema and caps. Returns ``{"path", "size", "manifest",
+    "signature"}`` where ``signature`` is ``{"keyid", "verified": False}`` or None.
+    """
+    result = scan_bundle(path, signature="optional", limits=limits, metadata_only=True)
+    signature: dict[str, Any] | None = None
+    if result.claimed_keyid is not None:
+        signature = {"keyid": result.claimed_keyid, "verified": False}
+    return {
+        "path": str(path),
+        "size": result.size,
+        "manifest": result.manifest.to_json_dict(),
+        "signature": signature,
+    }

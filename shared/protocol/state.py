@@ -1,0 +1,187 @@
+"""Desired state (control plane → device), reported state and deployment events (device → CP).
+
+A desired state is signed by the director key (``shared.signing`` envelope). A device applies
+one only when :func:`verify_desired_state` passes: the signature is by a trusted director key,
+the document is for this device, its ``seq`` is above the last one applied (no replay), and it
+has not expired (no freeze).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any, ClassVar
+
+from pydantic import AwareDatetime, Field, model_validator
+
+from shared.errors import ExpiredError, MessageError, ReplayError
+from shared.protocol.base import Identifier, Message, Sha256Hex, ShortText, VersionText
+from shared.signing import PrivateKey, PublicKey, sign_document, verify_document
+
+
+class TargetRef(Message):
+    """One model version as a TUF target: where to fetch it and what it must hash to."""
+
+    version: VersionText
+    target_path: str = Field(min_length=1, max_length=512)
+    sha256: Sha256Hex
+    length: int = Field(gt=0)
+
+
+class CanarySpec(Message):
+    """A candidate served beside stable to a share of requests (``weight`` in 0..1)."""
+
+    target: TargetRef
+    weight: float = Field(ge=0.0, le=1.0)
+    max_error_rate: float = Field(default=0.05, ge=0.0, le=1.0)
+
+
+class BatchingPolicy(Message):
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    max_queue_delay_ms: float = Field(default=2.0, ge=0.0, le=10_000.0)
+    max_queue: int = Field(default=1024, ge=1, le=1_000_000)
+
+
+class DesiredModel(Message):
+    """What one model should look like on the device."""
+
+    name: Identifier
+    stable: TargetRef
+    canary: CanarySpec | None = None
+    shadow: TargetRef | None = None
+    rollback: bool = False
+    """True when ``stable`` is deliberately older than what is installed (explicit rollback)."""
+    batching: BatchingPolicy = Field(default_factory=BatchingPolicy)
+
+    @model_validator(mode="after")
+    def _one_candidate(self) -> DesiredModel:
+        if self.canary is not None and self.shadow is not None:
+            raise ValueError("a model takes a canary or a shadow, not both")
+        return self
+
+
+class TelemetryPolicy(Message):
+    health_interval_s: float = Field(default=30.0, ge=1.0, le=86_400.0)
+    inference_interval_s: float = Field(default=60.0, ge=1.0, le=86_400.0)
+    drift_window_s: float = Field(default=300.0, ge=10.0, le=7 * 86_400.0)
+
+
+class DesiredState(Message):
+    """The signed document a device converges to."""
+
+    MAX_BYTES: ClassVar[int] = 256 * 1024
+
+    device_id: Identifier
+    seq: int = Field(ge=1)
+    issued_at: AwareDatetime
+    expires: AwareDatetime
+    models: list[DesiredModel] = Field(default_factory=list, max_length=64)
+    telemetry: TelemetryPolicy = Field(default_factory=TelemetryPolicy)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DesiredState:
+        if self.expires <= self.issued_at:
+            raise ValueError("expires must be after issued_at")
+        names = [m.name for m in self.models]
+        if len(names) != len(set(names)):
+            raise ValueError("each model may appear once")
+        return self
+
+
+def sign_desired_state(state: DesiredState, *keys: PrivateKey) -> dict[str, Any]:
+    """Signed envelope for publishing (retained) on the device's ``desired`` topic."""
+    return sign_document(state.model_dump(mode="json"), *keys)
+
+
+def verify_desired_state(
+    envelope: object,
+    director_keys: Mapping[str, PublicKey] | Iterable[PublicKey],
+    *,
+    device_id: str,
+    last_seq: int,
+    now: datetime,
+) -> DesiredState:
+    """Verify a desired-state envelope for ``device_id`` and return the state.
+
+    Raises :class:`shared.errors.SigningError` subclasses for signature problems,
+    :class:`MessageError` for schema problems or a document for another device,
+    :class:`ReplayError` when ``seq <= last_seq``, :class:`ExpiredError` when expired.
+    """
+    signed = verify_document(envelope, director_keys)
+    try:
+        state = DesiredState.model_validate(signed)
+    except ValueError as e:
+        raise MessageError(f"desired state does not match its schema: {e}") from e
+    if state.device_id != device_id:
+        raise MessageError(f"desired state is for device {state.device_id!r}, not {device_id!r}")
+    if state.seq <= last_seq:
+        raise ReplayError(f"desired state seq {state.seq} is not above the applied {last_seq}")
+    if now >= state.expires:
+        raise ExpiredError(f"desired state seq {state.seq} expired at {state.expires.isoformat()}")
+    return state
+
+
+class DeploymentPhase(str, enum.Enum):
+    """States of the agent's update state machine (DESIGN 4.5)."""
+
+    IDLE = "idle"
+    DOWNLOADING = "downloading"
+    VERIFYING = "verifying"
+    INSTALLING = "installing"
+    LOADING = "loading"
+    WARMING = "warming"
+    ACTIVE = "active"
+    ROLLING_BACK = "rolling_back"
+    FAILED = "failed"
+
+
+class ModelStatus(Message):
+    name: Identifier
+    phase: DeploymentPhase = DeploymentPhase.IDLE
+    active_version: VersionText | None = None
+    canary_version: VersionText | None = None
+    shadow_version: VersionText | None = None
+    installed_versions: list[VersionText] = Field(default_factory=list, max_length=16)
+    last_error: ShortText | None = None
+
+
+class ReportedState(Message):
+    """What the device says it runs (retained on its ``reported`` topic)."""
+
+    device_id: Identifier
+    ts: float = Field(description="Unix time, seconds")
+    applied_seq: int = Field(ge=0)
+    profile: Identifier
+    backends: list[str] = Field(default_factory=list, max_length=16)
+    agent_version: str = Field(default="", max_length=64)
+    models: list[ModelStatus] = Field(default_factory=list, max_length=64)
+
+
+class EventOutcome(str, enum.Enum):
+    PROGRESS = "progress"
+    OK = "ok"
+    ERROR = "error"
+
+
+class DeploymentEvent(Message):
+    """One step of a deployment: the device's flight recorder.
+
+    ``event_seq`` increases per device and survives restarts, so the control plane can store
+    events idempotently and see gaps.
+    """
+
+    MAX_BYTES: ClassVar[int] = 16 * 1024
+
+    device_id: Identifier
+    event_seq: int = Field(ge=0)
+    ts: float
+    model: Identifier
+    version: VersionText
+    phase: DeploymentPhase
+    outcome: EventOutcome
+    message: ShortText = ""
+    cause: str | None = Field(default=None, max_length=64)
+    bytes_done: int | None = Field(default=None, ge=0)
+    bytes_total: int | None = Field(default=None, ge=0)
+    elapsed_ms: float | None = Field(default=None, ge=0)

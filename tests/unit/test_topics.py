@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.errors import TopicError
+from shared.protocol import topics
+from shared.protocol.topics import Channel, DeviceTopic, TelemetryKind
+
+ident = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", fullmatch=True)
+bad_ident = st.one_of(
+    st.just(""),
+    st.text(min_size=65, max_size=80, alphabet="abc"),
+    st.builds(
+        lambda a, c: a + c, ident.filter(lambda s: len(s) < 60), st.sampled_from("/+#$ \x00")
+    ),
+    st.sampled_from(["-lead", ".hidden", "_x", "a/b", "+", "#", "$SYS"]),
+)
+
+
+@given(ident)
+def test_every_device_topic_round_trips(device_id: str) -> None:
+    built = [
+        topics.status(device_id),
+        topics.desired(device_id),
+        topics.reported(device_id),
+        topics.events(device_id),
+        topics.command(device_id),
+        topics.command_reply(device_id),
+        topics.repo_request(device_id),
+        topics.repo_reply(device_id),
+        *(topics.telemetry(device_id, k) for k in TelemetryKind),
+    ]
+    for t in built:
+        parsed = topics.parse(t)
+        assert isinstance(parsed, DeviceTopic)
+        assert parsed.device_id == device_id
+        assert str(parsed) == t
+        assert topics.matches(topics.device_subtree(device_id), t)
+
+
+@given(ident, ident)
+def test_infer_topics_round_trip(device_id: str, model: str) -> None:
+    t = topics.device_infer(device_id, model)
+    assert topics.parse(t) == DeviceTopic(device_id, Channel.INFER, model)
+    f = topics.fleet_infer(model)
+    assert topics.parse(f) == topics.FleetInferTopic(model)
+    assert topics.matches(topics.FleetInferTopic(model).shared("agents"), f)
+    assert topics.parse(topics.client_reply(device_id)) == topics.ClientReplyTopic(device_id)
+
+
+@given(bad_ident)
+def test_invalid_ids_never_make_a_topic(bad: str) -> None:
+    with pytest.raises(TopicError):
+        topics.status(bad)
+    with pytest.raises(TopicError):
+        topics.fleet_infer(bad)
+
+
+@given(st.text(max_size=200))
+def test_parse_never_crashes_on_arbitrary_text(text: str) -> None:
+    try:
+        parsed = topics.parse(text)
+    except TopicError:
+        return
+    assert str(parsed) == text
+
+
+def test_device_cannot_be_widened_by_wildcards() -> None:
+    for t in [
+        "mcp/v1/dev/+/status",
+        "mcp/v1/dev/#",
+        "mcp/v1/dev/a/status/extra",
+        "mcp/v2/dev/a/status",
+    ]:
+        with pytest.raises(TopicError):
+            topics.parse(t)
+
+
+def test_wildcard_filters_match_by_mqtt_rules() -> None:
+    health = topics.all_devices(Channel.TELEMETRY, "health")
+    assert health == "mcp/v1/dev/+/telemetry/health"
+    assert topics.matches(health, topics.telemetry("d1", "health"))
+    assert not topics.matches(health, topics.telemetry("d1", "drift"))
+    assert topics.matches(topics.all_devices(Channel.TELEMETRY), topics.telemetry("d1", "drift"))
+    assert not topics.matches(topics.all_devices(Channel.STATUS), topics.desired("d1"))
+    assert topics.matches("mcp/#", "mcp/v1/dev/a/status")
+    assert not topics.matches("#", "$CONTROL/dynamic-security/v1")
+    shared_filter = topics.shared_subscription("cp", topics.all_devices(Channel.EVENTS))
+    assert shared_filter == "$share/cp/mcp/v1/dev/+/events"
+    assert topics.matches(shared_filter, topics.events("x"))
+
+
+@pytest.mark.parametrize("bad", ["a/#/b", "a/b#", "a+/b", "", "x\x00"])
+def test_bad_filters_refused(bad: str) -> None:
+    with pytest.raises(TopicError):
+        topics.validate_filter(bad)
+
+
+def test_unknown_telemetry_kind_refused() -> None:
+    with pytest.raises(TopicError, match="telemetry kind"):
+        topics.parse("mcp/v1/dev/a/telemetry/secrets")
