@@ -19,14 +19,7 @@ fault (:class:`~shared.errors.ModelValidationError` for a model that fails its c
 the TFLite runtime are imported only when a model is validated or run.
 """
 
-from shared.bundle.archive import (
-    BundleLimits,
-    OpenedBundle,
-    VerifiedBundle,
-    inspect_bundle,
-    open_bundle,
-    verify_bundle,
-)
+from shared.bundle.archive import BundleLimits
 from shared.bundle.build import VariantSource, build_bundle, encode_manifest, sign_bundle
 from shared.bundle.manifest import (
     SCHEMA_VERSION,
@@ -43,6 +36,13 @@ from shared.bundle.manifest import (
     Variant,
 )
 from shared.bundle.models import RuntimeUnavailableError
+from shared.bundle.verify import (
+    OpenedBundle,
+    VerifiedBundle,
+    inspect_bundle,
+    open_bundle,
+    verify_bundle,
+)
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -18,6 +18,8 @@ baseline and live histograms are always comparable (PSI, chi²). Rules:
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import numpy.typing as npt
 
@@ -52,8 +54,13 @@ def _edges(values: FloatArray, bins: int) -> tuple[float, ...]:
     lo, hi = float(values.min()), float(values.max())
     if hi <= lo:
         lo, hi = lo - 0.5, hi + 0.5
-    edges = np.linspace(lo, hi, bins + 1)
-    return tuple(float(x) for x in edges)
+    edges = [float(x) for x in np.linspace(lo, hi, bins + 1)]
+    # 12 significant digits keep manifests readable (0.3, not 0.30000000000000004); keep the
+    # exact edges in the rare case rounding would merge two of them.
+    rounded = [float(f"{x:.12g}") for x in edges]
+    if all(b > a for a, b in pairwise(rounded)):
+        edges = rounded
+    return tuple(edges)
 
 
 def _feature(name: str, values: FloatArray, bins: int) -> FeatureBaseline:

@@ -29,13 +29,7 @@ import numpy as np
 from pydantic import BaseModel, ValidationError
 
 from shared.bundle._progress import Progress, progress_bar
-from shared.bundle.archive import (
-    BundleLimits,
-    VerifiedBundle,
-    load_strict_json,
-    scan_bundle,
-    validation_summary,
-)
+from shared.bundle.archive import BundleLimits, load_strict_json, scan_bundle, validation_summary
 from shared.bundle.baseline import BaselineError, compute_baseline
 from shared.bundle.manifest import (
     ANY_PROFILE,
@@ -55,6 +49,7 @@ from shared.bundle.manifest import (
 )
 from shared.bundle.models import ModelInfo, detect_format, inspect_model, run_model
 from shared.bundle.tarstream import CHUNK, bundle_error
+from shared.bundle.verify import VerifiedBundle
 from shared.errors import BundleError, VersionError
 from shared.fsutil import fsync_dir
 from shared.signing import PrivateKey, canonical_json, make_signature

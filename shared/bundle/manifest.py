@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from datetime import datetime, timezone
+from itertools import pairwise
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -228,7 +229,7 @@ class Histogram(_Schema):
     def _check(self) -> Histogram:
         if len(self.edges) != len(self.counts) + 1:
             raise ValueError("a histogram needs exactly one more edge than counts")
-        if any(b <= a for a, b in zip(self.edges, self.edges[1:], strict=False)):
+        if any(b <= a for a, b in pairwise(self.edges)):
             raise ValueError("histogram edges must increase strictly")
         return self
 

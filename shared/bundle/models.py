@@ -182,21 +182,17 @@ def _inspect_onnx(path: Path, label: str, member: str | None) -> ModelInfo:
     return ModelInfo("onnx", inputs, outputs, props, min_runtime)
 
 
-def tflite_interpreter_class() -> Any:
-    """The TFLite ``Interpreter`` class (ai-edge-litert, else tflite_runtime).
-
-    Raises :class:`RuntimeUnavailableError` naming the extra to install.
-    """
+def _tflite_module() -> Any:
     try:
-        from ai_edge_litert.interpreter import Interpreter
+        import ai_edge_litert.interpreter as litert
 
-        return Interpreter
+        return litert
     except ImportError:
         pass
     try:
-        from tflite_runtime.interpreter import Interpreter
+        import tflite_runtime.interpreter as tflite_runtime
 
-        return Interpreter
+        return tflite_runtime
     except ImportError:
         raise RuntimeUnavailableError(
             f"TFLite support is not installed; run: {TFLITE_INSTALL_HINT}"
@@ -204,9 +200,15 @@ def tflite_interpreter_class() -> Any:
 
 
 def _load_tflite(path: Path, label: str, member: str | None) -> Any:
-    interpreter_class = tflite_interpreter_class()
+    module = _tflite_module()
+    kwargs: dict[str, Any] = {}
+    resolver = getattr(module, "OpResolverType", None)
+    if resolver is not None:
+        # Builtin kernels without the XNNPACK delegate: same answers, and no delegate log
+        # line on stderr for every check.
+        kwargs["experimental_op_resolver_type"] = resolver.BUILTIN_WITHOUT_DEFAULT_DELEGATES
     try:
-        interpreter = interpreter_class(model_path=str(path))
+        interpreter = module.Interpreter(model_path=str(path), **kwargs)
         interpreter.allocate_tensors()
     except Exception as e:
         raise ModelValidationError(

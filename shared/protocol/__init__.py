@@ -9,7 +9,14 @@ No module in this package performs I/O; transports live in ``agent`` and ``contr
 
 from shared.protocol import topics
 from shared.protocol.base import Message
-from shared.protocol.codec import decode, decode_for_topic, encode, loads, schema_for_topic, validate
+from shared.protocol.codec import (
+    decode,
+    decode_for_topic,
+    encode,
+    loads,
+    schema_for_topic,
+    validate,
+)
 from shared.protocol.command import (
     CommandName,
     CommandReply,

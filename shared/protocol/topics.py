@@ -21,7 +21,7 @@ Everything that carries a reply uses the MQTT 5 response topic and correlation d
 ``.../reply`` topics above are conventions for who may subscribe where, so per-device ACLs can
 be literal topic lists (Mosquitto 2.0's dynsec does not expand ``%c``/``%u``).
 
-Identifiers (device ids, model names, client ids, share groups) are 1–64 characters of
+Identifiers (device ids, model names, client ids, share groups) are 1-64 characters of
 ``[A-Za-z0-9._-]`` starting with a letter or digit: never ``/``, ``+``, ``#``, ``$``, spaces or
 NUL, so an identifier can never widen a subscription or escape its subtree.
 """
