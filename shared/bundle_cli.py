@@ -336,7 +336,7 @@ def verify(
       mcp-bundle verify digits-1.3.0.mcpb --allow-unsigned
     """
     if not trusted and not allow_unsigned:
-        raise CliError("no trusted keys: pass --trusted-key PUB (or --allow-unsigned)")
+        raise click.UsageError("no trusted keys: pass --trusted-key PUB (or --allow-unsigned)")
     keys = [read_public_key(p) for p in trusted]
     with _about(bundle):
         result = verify_bundle(
@@ -386,8 +386,8 @@ def _render(info: dict[str, Any]) -> str:
     lines += [f"input       {t.name} {t.datatype} {list(t.shape)}" for t in m.inputs]
     lines += [f"output      {t.name} {t.datatype} {list(t.shape)}" for t in m.outputs]
     if m.preprocessing:
-        fields = m.preprocessing.model_dump(exclude_defaults=True)
-        lines.append("preprocess  " + " ".join(f"{k}={v}" for k, v in fields.items()))
+        fields = m.preprocessing.model_dump(mode="json", exclude_defaults=True)
+        lines.append("preprocess  " + " ".join(f"{k}={json.dumps(v)}" for k, v in fields.items()))
     if m.labels:
         lines.append(f"labels      {m.labels.file} ({m.labels.count} labels)")
     c = m.constraints

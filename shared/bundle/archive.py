@@ -5,7 +5,8 @@ archive once, in this order, and stops at the first failure with a :class:`Bundl
 whose ``member`` names the file at fault:
 
 1. the bundle is a regular file no larger than ``max_bundle_bytes``;
-2. the first member is ``manifest.json`` (at most ``max_manifest_bytes``), strict JSON;
+2. the first member is ``manifest.json`` (at most ``max_manifest_bytes``), strict JSON
+   (no duplicate keys, no NaN) stored in canonical form;
 3. ``manifest.sig`` (at most ``max_signature_bytes``) directly follows when present; it is
    checked against the trusted keys over ``canonical_json(manifest)``; a missing one is an
    error when a signature is required;
@@ -160,6 +161,19 @@ def _check_signature(
         raise bundle_error(f"signature unusable: {e}", SIGNATURE_NAME) from e
 
 
+def _check_canonical(doc: dict[str, Any], data: bytes) -> None:
+    try:
+        canonical = canonical_json(doc) + b"\n"
+    except SigningError as e:
+        raise bundle_error(f"cannot be canonicalised: {e}", MANIFEST_NAME) from e
+    if data != canonical:
+        raise bundle_error(
+            "not in canonical form (sorted keys, no spaces, one final newline); the "
+            "signature covers the canonical bytes",
+            MANIFEST_NAME,
+        )
+
+
 def _parse_manifest(doc: dict[str, Any], limits: BundleLimits) -> BundleManifest:
     try:
         manifest = BundleManifest.model_validate_json(canonical_json(doc))
@@ -295,6 +309,7 @@ def scan_bundle(
             stream = TarStream(f, whole.update, bar)
             manifest_bytes, signature_bytes, header = _read_metadata(stream, limits)
             doc = load_strict_json(manifest_bytes, MANIFEST_NAME)
+            _check_canonical(doc, manifest_bytes)
             signer, claimed = _check_signature(doc, signature_bytes, trusted, signature)
             manifest = _parse_manifest(doc, limits)
             result = ScanResult(

@@ -254,11 +254,12 @@ def _labels(path: Path, limits: BundleLimits, progress: bool) -> tuple[_Source, 
 
 
 def encode_manifest(manifest: BundleManifest) -> bytes:
-    """manifest.json's bytes: sorted keys, two-space indent, UTF-8, final newline."""
-    text = json.dumps(
-        manifest.to_json_dict(), indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False
-    )
-    return (text + "\n").encode("utf-8")
+    """manifest.json's bytes: the canonical JSON that gets signed, plus a final newline.
+
+    Storing the canonical form means the signature covers manifest.json byte for byte:
+    any change to the file, even whitespace, is refused by the reader.
+    """
+    return canonical_json(manifest.to_json_dict()) + b"\n"
 
 
 def sign_bundle(

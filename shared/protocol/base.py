@@ -15,7 +15,7 @@ Identifier = Annotated[str, AfterValidator(lambda v: validate_id(v, "identifier"
 HexKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 """A 32-byte key or key id as 64 lowercase hex characters."""
 
-Nonce = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32,128}$")]
+Nonce = Annotated[str, StringConstraints(pattern=r"^(?:[0-9a-f]{2}){16,64}$")]
 """16 to 64 random bytes as lowercase hex."""
 
 Sha256Hex = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]

@@ -40,16 +40,6 @@ class Datatype(str, enum.Enum):
     def numpy_dtype(self) -> np.dtype[Any]:
         return np.dtype(_TO_NUMPY[self])
 
-    def _exact_integers(self, dt: np.dtype[Any]) -> np.ndarray[Any, Any]:
-        # numpy reads [0, 2**63] as float64; keep Python ints exact, refuse real floats.
-        values = np.asarray(self.data, dtype=object).reshape(-1)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            raise MessageError(f"input {self.name!r}: {self.datatype.value} data must be integers")
-        info = np.iinfo(dt)
-        if any(v < info.min or v > info.max for v in values):
-            raise MessageError(f"input {self.name!r}: values out of range for {self.datatype.value}")
-        return values.astype(dt)
-
     @classmethod
     def from_numpy(cls, dtype: np.dtype[Any]) -> Datatype:
         """The protocol datatype for a numpy dtype; raises :class:`MessageError` if none fits."""
@@ -120,8 +110,11 @@ class InferTensor(Message):
                     raise MessageError(
                         f"input {self.name!r}: {self.datatype.value} data must be numbers"
                     )
-                if self.datatype is Datatype.BOOL and raw.dtype.kind != "b":
-                    raise MessageError(f"input {self.name!r}: BOOL data must be true/false")
+                if (self.datatype is Datatype.BOOL) != (raw.dtype.kind == "b"):
+                    raise MessageError(
+                        f"input {self.name!r}: BOOL data must be true/false and only BOOL "
+                        "data may be"
+                    )
                 dt = self.datatype.numpy_dtype
                 if dt.kind in "iu" and raw.dtype.kind == "f":
                     raw = self._exact_integers(dt)
@@ -131,7 +124,14 @@ class InferTensor(Message):
                         raise MessageError(
                             f"input {self.name!r}: values out of range for {self.datatype.value}"
                         )
-                arr = raw.astype(dt, copy=False).reshape(-1)
+                with np.errstate(over="ignore"):
+                    arr = raw.astype(dt, copy=False).reshape(-1)
+                if dt.kind == "f" and raw.dtype.kind == "f" and not np.array_equal(
+                    np.isfinite(arr), np.isfinite(raw.reshape(-1))
+                ):
+                    raise MessageError(
+                        f"input {self.name!r}: values out of range for {self.datatype.value}"
+                    )
         except ValueError as e:  # ragged nesting, unconvertible values
             raise MessageError(f"input {self.name!r}: data is not a regular array ({e})") from e
         if arr.size != want:

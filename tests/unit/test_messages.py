@@ -205,6 +205,8 @@ def test_open_inference_protocol_body_from_the_spec() -> None:
         ({"name": "x", "shape": [2], "datatype": "BOOL", "data": [1, 0]}, "true/false"),
         ({"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [[1, 2], [3]]}, "regular"),
         ({"name": "x", "shape": [2], "datatype": "BYTES", "data": [1, 2]}, "strings"),
+        ({"name": "x", "shape": [2], "datatype": "FP32", "data": [True, False]}, "true/false"),
+        ({"name": "x", "shape": [1], "datatype": "FP16", "data": [1e6]}, "out of range"),
     ],
 )
 def test_bad_tensors_are_refused_with_a_reason(tensor: dict[str, object], reason: str) -> None:

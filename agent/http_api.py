@@ -1,0 +1,352 @@
+"""The agent's local HTTP API (aiohttp): Open Inference Protocol v2, ``/v1/infer``, health, metrics.
+
+Routes::
+
+    GET  /v2                                    server metadata
+    GET  /v2/health/live | /v2/health/ready     liveness / readiness
+    GET  /v2/models/{m}[/versions/{v}]          model metadata
+    GET  /v2/models/{m}[/versions/{v}]/ready    model readiness
+    POST /v2/models/{m}[/versions/{v}]/infer    inference (Open Inference Protocol JSON)
+    POST /v1/infer                              convenience API: image or numbers in, top-k out
+    GET  /healthz | /readyz | /metrics
+
+Headers: ``X-Model-Version`` pins a version, ``X-Request-Key`` makes canary routing sticky,
+``X-Priority`` is high/normal/low, ``X-Timeout-Ms`` sets the request deadline. Every error is
+``{"error": "...", "code": "..."}`` with the matching status; 429 carries ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from agent import __version__
+from agent.metrics import AgentMetrics
+from agent.preprocess import PreprocessError, prepare_v1_inputs, top_k
+from agent.runtime.batcher import (
+    BatcherClosedError,
+    DeadlineExceededError,
+    OverloadedError,
+    Priority,
+)
+from agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
+from agent.runtime.runner import Array, InferenceError, InputError, TensorSpec
+from shared.errors import MessageError
+from shared.protocol import ErrorCode, InferRequest, InferTensor, decode
+from shared.protocol.inference import Datatype
+
+log = logging.getLogger("mcp.agent.http")
+
+MANAGER = web.AppKey("manager", ModelManager)
+METRICS = web.AppKey("metrics", AgentMetrics)
+DEFAULT_MAX_BODY = 8 * 1024 * 1024
+_JSON = "application/json"
+_ORJSON_NATIVE = frozenset("biuf") - {"f2"}
+
+
+class ApiError(Exception):
+    """An error answer: status from ``code``, optional Retry-After."""
+
+    def __init__(self, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY),
+        status=status,
+        content_type=_JSON,
+        headers=headers,
+    )
+
+
+def _error(e: ApiError) -> web.Response:
+    body: dict[str, Any] = {"error": str(e), "code": e.code.value}
+    headers = None
+    if e.retry_after_s is not None:
+        body["retry_after_s"] = e.retry_after_s
+        headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}
+    return _json(body, e.code.http_status, headers)
+
+
+def classify(e: Exception) -> ApiError:
+    """Map a runtime or protocol exception to the error answer a client gets."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, (MessageError, InputError, PreprocessError)):
+        return ApiError(ErrorCode.BAD_REQUEST, str(e))
+    if isinstance(e, ModelNotFoundError):
+        return ApiError(ErrorCode.NOT_FOUND, str(e))
+    if isinstance(e, OverloadedError):
+        return ApiError(ErrorCode.OVERLOADED, f"overloaded: {e}", e.retry_after_s)
+    if isinstance(e, DeadlineExceededError):
+        return ApiError(ErrorCode.TIMEOUT, f"timed out: {e}")
+    if isinstance(e, BatcherClosedError):
+        return ApiError(ErrorCode.UNAVAILABLE, str(e))
+    if isinstance(e, InferenceError):
+        return ApiError(ErrorCode.INTERNAL, f"inference failed: {e}")
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        return ApiError(ErrorCode.TOO_LARGE, "request body is too large")
+    log.exception("unexpected error while handling a request")
+    return ApiError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}")
+
+
+def _error_cause(e: ApiError) -> str:
+    return e.code.value
+
+
+# ---------------------------------------------------------------------------- inputs / outputs
+def tensors_to_feeds(inputs: list[InferTensor], specs: tuple[TensorSpec, ...]) -> dict[str, Array]:
+    """Check request tensors against the model's inputs and turn them into arrays.
+
+    Raises :class:`InputError` (unknown, missing or duplicate name; wrong datatype or shape) or
+    :class:`MessageError` (data that does not fit its own shape/datatype).
+    """
+    by_name = {s.name: s for s in specs}
+    feeds: dict[str, Array] = {}
+    for t in inputs:
+        spec = by_name.get(t.name)
+        if spec is None:
+            raise InputError(f"unknown input {t.name!r}; the model takes {sorted(by_name)}")
+        if t.name in feeds:
+            raise InputError(f"input {t.name!r} given twice")
+        if t.datatype is not spec.datatype:
+            raise InputError(
+                f"input {t.name!r}: model expects {spec.datatype.value}, got {t.datatype.value}"
+            )
+        if len(t.shape) != len(spec.shape) or any(
+            d >= 0 and d != s for d, s in zip(spec.shape, t.shape, strict=False)
+        ):
+            raise InputError(
+                f"input {t.name!r}: shape {t.shape} does not fit the model's {list(spec.shape)}"
+            )
+        feeds[t.name] = t.to_numpy()
+    missing = by_name.keys() - feeds.keys()
+    if missing:
+        raise InputError(f"missing input(s) {sorted(missing)}")
+    return feeds
+
+
+def _tensor_json(name: str, arr: Array) -> dict[str, Any]:
+    dt = Datatype.from_numpy(arr.dtype)
+    flat = arr.reshape(-1)
+    data: Any = flat if arr.dtype.str[1:] in ("f4", "f8", "i8", "i4", "u1", "i1", "b1") else flat.tolist()
+    if dt is Datatype.BYTES:
+        data = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in flat]
+    return {"name": name, "datatype": dt.value, "shape": list(arr.shape), "data": data}
+
+
+def response_body(
+    lv: LoadedVersion, request_id: str | None, outputs: dict[str, Array], wanted: list[str] | None
+) -> dict[str, Any]:
+    if wanted is not None:
+        unknown = [n for n in wanted if n not in outputs]
+        if unknown:
+            raise InputError(f"unknown output(s) {unknown}; the model has {sorted(outputs)}")
+    names = wanted if wanted is not None else [s.name for s in lv.info.outputs]
+    body: dict[str, Any] = {
+        "model_name": lv.name,
+        "model_version": lv.version,
+        "outputs": [_tensor_json(n, np.ascontiguousarray(outputs[n])) for n in names],
+    }
+    if request_id is not None:
+        body["id"] = request_id
+    return body
+
+
+# ---------------------------------------------------------------------------- handlers
+class Handlers:
+    def __init__(self, manager: ModelManager, metrics: AgentMetrics, max_body: int) -> None:
+        self.manager = manager
+        self.metrics = metrics
+        self.max_body = max_body
+
+    async def _guarded(
+        self, request: web.Request, model: str, protocol: str,
+        work: Callable[[], Awaitable[tuple[LoadedVersion | None, web.Response]]],
+    ) -> web.Response:
+        m = self.metrics
+        t0 = time.perf_counter()
+        m.active.inc()
+        try:
+            lv, response = await work()
+        except Exception as e:
+            err = classify(e)
+            code = err.code
+            if code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
+                m.rejections.labels(model, code.value).inc()
+            else:
+                m.errors.labels(model, _error_cause(err)).inc()
+            m.requests.labels(model, protocol, str(code.http_status)).inc()
+            return _error(err)
+        finally:
+            m.active.dec()
+        m.requests.labels(model, protocol, "200").inc()
+        if lv is not None:
+            m.latency.labels(lv.name, lv.version).observe(time.perf_counter() - t0)
+        return response
+
+    def _routing(self, request: web.Request, model: str) -> tuple[LoadedVersion, bool, Priority, float | None]:
+        pinned = request.match_info.get("version") or request.headers.get("X-Model-Version")
+        lv = self.manager.route(model, pinned, request.headers.get("X-Request-Key"))
+        try:
+            priority = Priority.parse(request.headers.get("X-Priority"))
+        except ValueError as e:
+            raise ApiError(ErrorCode.BAD_REQUEST, str(e)) from None
+        timeout = None
+        raw = request.headers.get("X-Timeout-Ms")
+        if raw is not None:
+            try:
+                timeout = float(raw) / 1000.0
+            except ValueError:
+                raise ApiError(ErrorCode.BAD_REQUEST, "X-Timeout-Ms must be a number") from None
+            if not 0 < timeout <= 3600:
+                raise ApiError(ErrorCode.BAD_REQUEST, "X-Timeout-Ms must be in (0, 3600000]")
+        return lv, pinned is not None, priority, timeout
+
+    async def _body(self, request: web.Request, protocol: str) -> bytes:
+        if request.content_length is not None and request.content_length > self.max_body:
+            raise ApiError(
+                ErrorCode.TOO_LARGE,
+                f"request body of {request.content_length} bytes exceeds {self.max_body}",
+            )
+        body = await request.read()
+        self.metrics.payload_bytes.labels(protocol).observe(len(body))
+        return body
+
+    async def infer_v2(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+
+        async def work() -> tuple[LoadedVersion | None, web.Response]:
+            body = await self._body(request, "v2")
+            req = decode(body, InferRequest, max_bytes=self.max_body)
+            lv, pinned, priority, timeout = self._routing(request, model)
+            feeds = tensors_to_feeds(req.inputs, lv.info.inputs)
+            answered, outputs = await self.manager.infer(
+                lv, feeds, pinned=pinned, priority=priority, timeout_s=timeout
+            )
+            wanted = [o.name for o in req.outputs] if req.outputs else None
+            return answered, _json(response_body(answered, req.id, outputs, wanted))
+
+        return await self._guarded(request, model, "v2", work)
+
+    async def infer_v1(self, request: web.Request) -> web.Response:
+        names = self.manager.names()
+        model = "unknown"
+
+        async def work() -> tuple[LoadedVersion | None, web.Response]:
+            nonlocal model
+            body = await self._body(request, "v1")
+            try:
+                doc = orjson.loads(body)
+            except orjson.JSONDecodeError as e:
+                raise ApiError(ErrorCode.BAD_REQUEST, f"body is not valid JSON: {e}") from None
+            if not isinstance(doc, dict):
+                raise ApiError(ErrorCode.BAD_REQUEST, "body must be a JSON object")
+            model = doc.get("model") or (names[0] if len(names) == 1 else "")
+            if not isinstance(model, str) or not model:
+                raise ApiError(
+                    ErrorCode.BAD_REQUEST, f'name the model with "model": one of {names}'
+                )
+            lv, pinned, priority, timeout = self._routing(request, model)
+            feeds, k = prepare_v1_inputs(doc, lv)
+            answered, outputs = await self.manager.infer(
+                lv, feeds, pinned=pinned, priority=priority, timeout_s=timeout
+            )
+            first = answered.info.outputs[0].name
+            result = {
+                "model_name": answered.name,
+                "model_version": answered.version,
+                "predictions": top_k(outputs[first], answered.source.labels, k),
+            }
+            return answered, _json(result)
+
+        return await self._guarded(request, model, "v1", work)
+
+    # --- metadata and health
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        return _json({"name": "mcp-edge-agent", "version": __version__, "extensions": []})
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _json({"live": True})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ok = self.manager.ready
+        return _json({"ready": ok}, 200 if ok else 503)
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        try:
+            model = request.match_info["model"]
+            slot = self.manager.slot(model)
+            lv = self.manager.get(model, request.match_info.get("version"))
+        except ModelNotFoundError as e:
+            return _error(ApiError(ErrorCode.NOT_FOUND, str(e)))
+        info = lv.info
+        return _json({
+            "name": lv.name,
+            "versions": sorted(slot.versions),
+            "platform": "onnxruntime_onnx" if info.backend == "onnxruntime" else "tensorflow_lite",
+            "inputs": [s.to_json() for s in info.inputs],
+            "outputs": [s.to_json() for s in info.outputs],
+            "parameters": {
+                "version": lv.version,
+                "role": slot.role_of(lv.version),
+                "backend": info.backend,
+                "provider": info.provider,
+                "stable": slot.stable,
+                "canary": None if slot.canary is None else {
+                    "version": slot.canary.version, "weight": slot.canary.weight,
+                    "enabled": slot.canary.enabled, "error_rate": slot.canary.error_rate,
+                },
+                "shadow": None if slot.shadow is None else {
+                    "version": slot.shadow.version, "compared": slot.shadow.compared,
+                    "agreement": slot.shadow.agreement,
+                },
+            },
+        })
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        try:
+            lv = self.manager.get(model, request.match_info.get("version"))
+        except ModelNotFoundError as e:
+            return _error(ApiError(ErrorCode.NOT_FOUND, str(e)))
+        return _json({"name": lv.name, "version": lv.version, "ready": True})
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.exposition(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+
+def build_app(manager: ModelManager, *, max_body: int = DEFAULT_MAX_BODY) -> web.Application:
+    """The aiohttp application serving ``manager``'s models."""
+    app = web.Application(client_max_size=max_body)
+    app[MANAGER] = manager
+    app[METRICS] = manager.metrics
+    h = Handlers(manager, manager.metrics, max_body)
+    r = app.router
+    r.add_get("/v2", h.server_metadata)
+    r.add_get("/v2/health/live", h.live)
+    r.add_get("/v2/health/ready", h.ready)
+    r.add_get("/v2/models/{model}", h.model_metadata)
+    r.add_get("/v2/models/{model}/versions/{version}", h.model_metadata)
+    r.add_get("/v2/models/{model}/ready", h.model_ready)
+    r.add_get("/v2/models/{model}/versions/{version}/ready", h.model_ready)
+    r.add_post("/v2/models/{model}/infer", h.infer_v2)
+    r.add_post("/v2/models/{model}/versions/{version}/infer", h.infer_v2)
+    r.add_post("/v1/infer", h.infer_v1)
+    r.add_get("/healthz", h.live)
+    r.add_get("/readyz", h.ready)
+    r.add_get("/metrics", h.metrics_endpoint)
+    return app

@@ -1,0 +1,1 @@
+"""Local inference: model runners (onnxruntime, TFLite), dynamic batching, the model manager."""

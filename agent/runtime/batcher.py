@@ -1,0 +1,376 @@
+"""Dynamic batching for one model version: a bounded priority queue in front of its instances.
+
+Requests wait in three FIFO queues (high, normal, low priority). A dispatcher task starts a
+batch whenever an instance is free: it takes queued requests in priority order, stacks the
+ones whose inputs agree on everything but the first dimension, up to ``max_batch_size`` rows,
+runs the batch on a worker thread, and splits the outputs back. With ``max_queue_delay_s`` = 0
+(the default) a batch starts as soon as an instance is free, so a lone request never waits;
+batches form from the requests that arrive while every instance is busy. A positive delay
+holds a partial batch until it fills or its oldest request has waited that long.
+
+The queue is bounded: a request that finds ``max_queue`` requests waiting is refused at once
+with :class:`OverloadedError` (HTTP 429 with Retry-After). A request past its deadline gets
+:class:`DeadlineExceededError` (HTTP 504) whether it was queued or running.
+
+When a version has several instances (sessions, or devices such as GPU + DLA), the free one
+with the best load score runs the next batch: ``0.7 × compute headroom + 0.3 × memory
+headroom``, where compute headroom is one minus the instance's recent busy fraction and memory
+headroom one minus the share of rows it has in flight (the nearest proxies a CPU box exposes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agent.runtime.runner import Array, InferenceError, InputError, ModelRunner, RunnerError
+
+log = logging.getLogger("mcp.agent.runtime")
+
+
+class Priority(enum.IntEnum):
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+    @classmethod
+    def parse(cls, text: str | None) -> Priority:
+        """``high``/``normal``/``low`` (any case); None means normal. Raises ValueError."""
+        if text is None or text == "":
+            return cls.NORMAL
+        try:
+            return cls[text.strip().upper()]
+        except KeyError:
+            raise ValueError(f"priority must be high, normal or low, not {text!r:.20}") from None
+
+
+class OverloadedError(RunnerError):
+    """The queue is full; try again after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceededError(RunnerError):
+    """The request did not finish within its timeout."""
+
+
+class BatcherClosedError(RunnerError):
+    """The batcher was shut down (its model version was unloaded)."""
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_batch_size: int = 32
+    """Most rows stacked into one run; 1 turns batching off."""
+    max_queue_delay_s: float = 0.0
+    """How long a partial batch may wait for more rows (seconds)."""
+    max_queue: int = 1024
+    """Most requests waiting (not counting those running); beyond it requests get 429."""
+    default_timeout_s: float = 30.0
+    """Per-request deadline when the caller gives none (seconds)."""
+
+
+@dataclass
+class _Pending:
+    feeds: dict[str, Array]
+    rows: int
+    key: tuple[Any, ...]
+    future: asyncio.Future[dict[str, Array]]
+    enqueued: float
+
+
+@dataclass
+class BatchObserver:
+    """Callbacks for metrics; every one is optional and must be cheap."""
+
+    on_batch: Callable[[int, int, float, float], None] | None = None
+    """(rows, requests, queue wait of the oldest (s), run time (s))."""
+    on_queue_depth: Callable[[int], None] | None = None
+
+
+@dataclass
+class _Instance:
+    runner: ModelRunner
+    index: int
+    busy: bool = False
+    rows_in_flight: int = 0
+    busy_ewma: float = 0.0
+    last_change: float = field(default_factory=time.perf_counter)
+
+    def load_score(self, max_rows: int) -> float:
+        compute = 1.0 - self.busy_ewma
+        memory = 1.0 - min(1.0, self.rows_in_flight / max(1, max_rows))
+        return 0.7 * compute + 0.3 * memory
+
+    def mark(self, busy: bool) -> None:
+        now = time.perf_counter()
+        elapsed = now - self.last_change
+        # Exponential moving average of "was busy" over ~1 s of history.
+        alpha = 1.0 - math.exp(-elapsed / 1.0)
+        self.busy_ewma += alpha * ((1.0 if self.busy else 0.0) - self.busy_ewma)
+        self.busy, self.last_change = busy, now
+
+
+class DynamicBatcher:
+    """Queue, batch and run requests for one model version on its instances."""
+
+    def __init__(
+        self,
+        instances: Sequence[ModelRunner],
+        config: BatchingConfig | None = None,
+        *,
+        executor: Executor | None = None,
+        observer: BatchObserver | None = None,
+    ) -> None:
+        if not instances:
+            raise ValueError("a batcher needs at least one model instance")
+        info = instances[0].info
+        config = config or BatchingConfig()
+        self.config = config
+        self._batchable = info.batchable and config.max_batch_size > 1
+        self._max_rows = config.max_batch_size if self._batchable else 1
+        self._instances = [_Instance(r, i) for i, r in enumerate(instances)]
+        self._own_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(
+            max_workers=len(instances), thread_name_prefix="mcp-infer"
+        )
+        self._observer = observer or BatchObserver()
+        self._queues: tuple[collections.deque[_Pending], ...] = tuple(
+            collections.deque() for _ in Priority
+        )
+        self._queued = 0
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._avg_batch_s = 0.001
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for i in self._instances if i.busy)
+
+    async def infer(
+        self,
+        feeds: dict[str, Array],
+        *,
+        priority: Priority = Priority.NORMAL,
+        timeout_s: float | None = None,
+    ) -> dict[str, Array]:
+        """Run one request (``feeds`` may hold several rows) and return its outputs.
+
+        Raises :class:`OverloadedError`, :class:`DeadlineExceededError`,
+        :class:`BatcherClosedError`, or the runner's :class:`InputError`/:class:`InferenceError`.
+        """
+        if self._closed:
+            raise BatcherClosedError("model version is unloading")
+        if self._queued >= self.config.max_queue:
+            raise OverloadedError(
+                f"queue full ({self._queued} requests waiting)", self._retry_after()
+            )
+        rows, key = self._batch_key(feeds)
+        loop = asyncio.get_running_loop()
+        self._ensure_started()
+        pending = _Pending(feeds, rows, key, loop.create_future(), time.perf_counter())
+        self._queues[priority].append(pending)
+        self._queued += 1
+        self._notify_depth()
+        assert self._wakeup is not None
+        self._wakeup.set()
+        timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.future), timeout)
+        except asyncio.TimeoutError:
+            pending.future.cancel()  # dispatcher drops it if still queued
+            raise DeadlineExceededError(f"no answer within {timeout:g} s") from None
+
+    def _batch_key(self, feeds: dict[str, Array]) -> tuple[int, tuple[Any, ...]]:
+        if not self._batchable:
+            return 1, ()
+        rows = -1
+        key: list[Any] = []
+        for name in sorted(feeds):
+            arr = feeds[name]
+            if arr.ndim == 0:
+                raise InputError(f"input {name!r} must have a batch dimension")
+            if rows == -1:
+                rows = int(arr.shape[0])
+            elif arr.shape[0] != rows:
+                raise InputError("all inputs must have the same batch size (first dimension)")
+            key.append((name, arr.shape[1:], arr.dtype.str))
+        return max(rows, 0), tuple(key)
+
+    def _retry_after(self) -> float:
+        per_batch = max(self._avg_batch_s, 0.0005)
+        batches = self._queued / max(1, self._max_rows) / len(self._instances)
+        return max(1.0, math.ceil(per_batch * (batches + 1)))
+
+    def _notify_depth(self) -> None:
+        if self._observer.on_queue_depth is not None:
+            self._observer.on_queue_depth(self._queued)
+
+    def _ensure_started(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._dispatch_loop())
+
+    async def _dispatch_loop(self) -> None:
+        assert self._wakeup is not None
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._queued:
+                instance = self._pick_instance()
+                if instance is None:
+                    break  # every instance busy; a finishing batch wakes us
+                if self.config.max_queue_delay_s > 0 and self._should_wait():
+                    await self._wait_for_fill()
+                    continue
+                batch = self._take_batch()
+                if batch:
+                    self._start(instance, batch)
+
+    def _should_wait(self) -> bool:
+        oldest = min((q[0].enqueued for q in self._queues if q), default=None)
+        if oldest is None:
+            return False
+        rows = sum(p.rows for q in self._queues for p in q)
+        waited = time.perf_counter() - oldest
+        return rows < self._max_rows and waited < self.config.max_queue_delay_s
+
+    async def _wait_for_fill(self) -> None:
+        assert self._wakeup is not None
+        oldest = min(q[0].enqueued for q in self._queues if q)
+        remaining = self.config.max_queue_delay_s - (time.perf_counter() - oldest)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), max(0.0, remaining))
+        self._wakeup.clear()
+
+    def _pick_instance(self) -> _Instance | None:
+        free = [i for i in self._instances if not i.busy]
+        if not free:
+            return None
+        return max(free, key=lambda i: (i.load_score(self._max_rows), -i.index))
+
+    def _take_batch(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        rows = 0
+        key: tuple[Any, ...] | None = None
+        for queue in self._queues:
+            skipped: list[_Pending] = []
+            while queue:
+                p = queue[0]
+                if p.future.done():  # timed out or cancelled while queued
+                    queue.popleft()
+                    self._queued -= 1
+                    continue
+                if batch and (p.key != key or rows + p.rows > self._max_rows):
+                    if p.key != key and len(skipped) < 64:
+                        skipped.append(queue.popleft())  # other shape: leave for a later batch
+                        continue
+                    break
+                queue.popleft()
+                self._queued -= 1
+                batch.append(p)
+                key = p.key
+                rows += p.rows
+                if rows >= self._max_rows:
+                    break
+            queue.extendleft(reversed(skipped))
+            if rows >= self._max_rows:
+                break
+        self._notify_depth()
+        return batch
+
+    def _start(self, instance: _Instance, batch: list[_Pending]) -> None:
+        instance.mark(True)
+        instance.rows_in_flight = sum(p.rows for p in batch)
+        task = asyncio.get_running_loop().create_task(self._run(instance, batch))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run(self, instance: _Instance, batch: list[_Pending]) -> None:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        try:
+            outputs = await loop.run_in_executor(
+                self._executor, _run_batch, instance.runner, batch, self._batchable
+            )
+        except RunnerError as e:
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(e)
+        except Exception as e:  # a backend bug must not kill the dispatcher
+            log.exception("inference failed unexpectedly")
+            err = InferenceError(f"backend failed: {type(e).__name__}: {e}")
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(err)
+        else:
+            for p, out in zip(batch, outputs, strict=True):
+                if not p.future.done():
+                    p.future.set_result(out)
+        finally:
+            run_s = time.perf_counter() - started
+            self._avg_batch_s += 0.1 * (run_s - self._avg_batch_s)
+            instance.rows_in_flight = 0
+            instance.mark(False)
+            if self._observer.on_batch is not None:
+                wait = started - min(p.enqueued for p in batch)
+                self._observer.on_batch(sum(p.rows for p in batch), len(batch), wait, run_s)
+            assert self._wakeup is not None
+            self._wakeup.set()
+
+    async def close(self, *, drain: bool = True) -> None:
+        """Stop taking requests; with ``drain`` finish everything queued and running first."""
+        self._closed = True
+        if not drain:
+            for q in self._queues:
+                while q:
+                    p = q.popleft()
+                    if not p.future.done():
+                        p.future.set_exception(BatcherClosedError("model version unloaded"))
+            self._queued = 0
+        while self._queued or self._running:
+            if self._running:
+                await asyncio.gather(*list(self._running), return_exceptions=True)
+            else:  # queued work and a free instance: let the dispatcher start it
+                assert self._wakeup is not None
+                self._wakeup.set()
+                await asyncio.sleep(0)
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._own_executor:
+            self._executor.shutdown(wait=False)
+
+
+def _run_batch(runner: ModelRunner, batch: list[_Pending], batchable: bool) -> list[dict[str, Array]]:
+    """Worker-thread side: stack the requests, run once, split the outputs by rows."""
+    if len(batch) == 1:
+        return [runner.run(batch[0].feeds)]
+    if not batchable:  # pragma: no cover - the dispatcher never builds such a batch
+        return [runner.run(p.feeds) for p in batch]
+    names = batch[0].feeds.keys()
+    stacked = {n: np.concatenate([p.feeds[n] for p in batch], axis=0) for n in names}
+    out = runner.run(stacked)
+    bounds = np.cumsum([p.rows for p in batch])[:-1]
+    split = {n: np.split(a, bounds, axis=0) for n, a in out.items()}
+    return [{n: parts[i] for n, parts in split.items()} for i in range(len(batch))]

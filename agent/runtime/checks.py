@@ -1,0 +1,87 @@
+"""Warm-up and answer checks: synthetic inputs from a signature, output validation, and the
+agreement test shadow mode uses."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from agent.runtime.runner import Array, ModelLoadError, ModelRunner, RunnerError, RunnerInfo
+
+
+def outputs_agree(a: dict[str, Array], b: dict[str, Array]) -> bool:
+    """Two answers agree when every shared output has the same top class (scores of rank ≥ 2)
+    or is close elementwise (anything else)."""
+    common = a.keys() & b.keys()
+    if not common:
+        return False
+    for name in common:
+        x, y = a[name], b[name]
+        if x.shape != y.shape:
+            return False
+        if x.ndim >= 2 and x.dtype.kind == "f" and x.shape[-1] > 1:
+            if not np.array_equal(x.argmax(axis=-1), y.argmax(axis=-1)):
+                return False
+        elif not np.allclose(x, y, rtol=1e-3, atol=1e-5, equal_nan=False):
+            return False
+    return True
+
+
+def synthetic_inputs(info: RunnerInfo, batch: int) -> dict[str, Array]:
+    """Deterministic warm-up inputs that fit the signature (dynamic dims → ``batch`` first, 1 after)."""
+    rng = np.random.default_rng(0)
+    feeds: dict[str, Array] = {}
+    for spec in info.inputs:
+        shape = tuple(
+            (batch if i == 0 else 1) if d < 0 else d for i, d in enumerate(spec.shape)
+        )
+        dt = spec.datatype.numpy_dtype
+        if dt.kind == "f":
+            feeds[spec.name] = rng.random(shape).astype(dt)
+        elif dt.kind == "b":
+            feeds[spec.name] = np.zeros(shape, dtype=dt)
+        elif dt.kind in "iu":
+            feeds[spec.name] = rng.integers(0, 2, shape).astype(dt)
+        else:
+            feeds[spec.name] = np.full(shape, "", dtype=object)
+    return feeds
+
+
+def check_outputs(info: RunnerInfo, outputs: dict[str, Array], batch: int) -> None:
+    """Raise :class:`ModelLoadError` unless outputs match the signature and hold no NaN/Inf."""
+    for spec in info.outputs:
+        arr = outputs.get(spec.name)
+        if arr is None:
+            raise ModelLoadError(f"warm-up: output {spec.name!r} missing")
+        if arr.dtype != spec.datatype.numpy_dtype and spec.datatype.value != "BYTES":
+            raise ModelLoadError(
+                f"warm-up: output {spec.name!r} is {arr.dtype}, signature says {spec.datatype.value}"
+            )
+        if len(arr.shape) != len(spec.shape) or any(
+            d >= 0 and d != s for d, s in zip(spec.shape, arr.shape, strict=True)
+        ):
+            raise ModelLoadError(
+                f"warm-up: output {spec.name!r} has shape {list(arr.shape)}, "
+                f"signature says {list(spec.shape)}"
+            )
+        if info.batchable and arr.ndim and arr.shape[0] != batch:
+            raise ModelLoadError(f"warm-up: output {spec.name!r} batch {arr.shape[0]} != {batch}")
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise ModelLoadError(f"warm-up: output {spec.name!r} holds NaN or infinity")
+
+
+def warm_up(runners: Sequence[ModelRunner]) -> float:
+    """Run synthetic inputs through every instance (batch 1, and 8 when batchable) and check
+    the outputs; return seconds spent. Raises :class:`ModelLoadError`."""
+    t0 = time.perf_counter()
+    for runner in runners:
+        info = runner.info
+        for batch in (1, 8) if info.batchable else (1,):
+            try:
+                out = runner.run(synthetic_inputs(info, batch))
+            except RunnerError as e:
+                raise ModelLoadError(f"warm-up failed: {e}") from e
+            check_outputs(info, out, batch)
+    return time.perf_counter() - t0

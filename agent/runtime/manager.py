@@ -1,0 +1,494 @@
+"""The model manager: loaded versions per model, routing, hot swap, canary and shadow.
+
+Each model name has one *slot* holding its loaded versions and their roles: one ``stable``,
+optionally a ``canary`` (a weighted share of routed traffic) or a ``shadow`` (sees a copy of
+stable's inputs; only stable answers). Loading a version warms it on synthetic inputs and
+checks its outputs (shape, dtype, no NaN) before it takes any role, so a bad model never serves.
+A hot swap makes the new version stable in one assignment; requests already queued on the old
+version finish there, and the old version is closed once it has drained.
+
+Routing, for each request: ``X-Model-Version`` pins a version; otherwise an enabled canary gets
+its weight of traffic, split by a hash of ``X-Request-Key`` (sticky) or at random; the rest goes
+to stable. A canary whose error rate over its last ``window`` results passes ``max_error_rate``
+(with at least ``min_samples`` results) is taken out of rotation, and a failed canary request is
+answered by stable instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.metrics import AgentMetrics
+from agent.runtime.batcher import (
+    BatcherClosedError,
+    BatchingConfig,
+    BatchObserver,
+    DeadlineExceededError,
+    DynamicBatcher,
+    Priority,
+)
+from agent.runtime.checks import outputs_agree, warm_up
+from agent.runtime.runner import (
+    Array,
+    InferenceError,
+    InputError,
+    ModelLoadError,
+    ModelRunner,
+    RunnerError,
+    RunnerInfo,
+)
+
+log = logging.getLogger("mcp.agent.runtime")
+
+
+class ModelNotFoundError(RunnerError):
+    """No such model, or no such version of it, is loaded."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model version ready to load: the file for this device and what describes it."""
+
+    name: str
+    version: str
+    model_path: Path
+    labels: tuple[str, ...] = ()
+    preprocessing: dict[str, Any] | None = None
+    origin: Path | None = None
+    """The file the operator gave (.onnx, .tflite or .mcpb)."""
+    signer_keyid: str | None = None
+
+
+RunnerFactory = Callable[[ModelSource], Sequence[ModelRunner]]
+"""Builds the instances (one or more runners) of a source; blocking, run off the loop."""
+
+
+@dataclass
+class LoadedVersion:
+    """One version in memory: its instances behind a batcher."""
+
+    source: ModelSource
+    runners: Sequence[ModelRunner]
+    batcher: DynamicBatcher
+    load_s: float
+    warmup_s: float
+    inflight: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+    @property
+    def version(self) -> str:
+        return self.source.version
+
+    @property
+    def info(self) -> RunnerInfo:
+        return self.runners[0].info
+
+    async def infer(
+        self, feeds: dict[str, Array], priority: Priority, timeout_s: float | None
+    ) -> dict[str, Array]:
+        self.inflight += 1
+        try:
+            return await self.batcher.infer(feeds, priority=priority, timeout_s=timeout_s)
+        finally:
+            self.inflight -= 1
+
+    async def close(self) -> None:
+        await self.batcher.close(drain=True)
+        for r in self.runners:
+            r.close()
+
+
+@dataclass
+class CanaryState:
+    version: str
+    weight: float
+    max_error_rate: float = 0.05
+    window: int = 100
+    min_samples: int = 20
+    enabled: bool = True
+    results: collections.deque[bool] = field(default_factory=collections.deque)
+
+    def record(self, failed: bool) -> bool:
+        """Add one result; return True when this result takes the canary out of rotation."""
+        self.results.append(failed)
+        while len(self.results) > self.window:
+            self.results.popleft()
+        tripped = (
+            self.enabled
+            and len(self.results) >= self.min_samples
+            and self.error_rate > self.max_error_rate
+        )
+        if tripped:
+            self.enabled = False
+        return tripped
+
+    @property
+    def error_rate(self) -> float:
+        return sum(self.results) / len(self.results) if self.results else 0.0
+
+
+@dataclass
+class ShadowState:
+    version: str
+    compared: int = 0
+    agreed: int = 0
+    skipped: int = 0
+    max_pending: int = 64
+    pending: int = 0
+
+    @property
+    def agreement(self) -> float | None:
+        return self.agreed / self.compared if self.compared else None
+
+
+@dataclass
+class ModelSlot:
+    name: str
+    versions: dict[str, LoadedVersion] = field(default_factory=dict)
+    stable: str | None = None
+    canary: CanaryState | None = None
+    shadow: ShadowState | None = None
+
+    def role_of(self, version: str) -> str:
+        if version == self.stable:
+            return "stable"
+        if self.canary is not None and version == self.canary.version:
+            return "canary"
+        if self.shadow is not None and version == self.shadow.version:
+            return "shadow"
+        return "retiring"
+
+
+class ModelManager:
+    """Owns every loaded model version of the agent."""
+
+    def __init__(
+        self,
+        runner_factory: RunnerFactory,
+        *,
+        batching: BatchingConfig | None = None,
+        metrics: AgentMetrics | None = None,
+        available_memory: Callable[[], int | None] | None = None,
+        memory_factor: float = 3.0,
+    ) -> None:
+        self._factory = runner_factory
+        self.batching = batching or BatchingConfig()
+        self.metrics = metrics or AgentMetrics()
+        self._available_memory = available_memory or _available_memory
+        self._memory_factor = memory_factor
+        self._slots: dict[str, ModelSlot] = {}
+        self._lock = asyncio.Lock()
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._shadow_tasks: set[asyncio.Task[None]] = set()
+
+    # ----------------------------------------------------------------- queries
+    def names(self) -> list[str]:
+        return sorted(n for n, s in self._slots.items() if s.stable is not None)
+
+    def slot(self, name: str) -> ModelSlot:
+        slot = self._slots.get(name)
+        if slot is None or slot.stable is None:
+            raise ModelNotFoundError(f"model {name!r} is not loaded")
+        return slot
+
+    def get(self, name: str, version: str | None = None) -> LoadedVersion:
+        slot = self.slot(name)
+        v = slot.stable if version is None else version
+        lv = slot.versions.get(v or "")
+        if lv is None:
+            raise ModelNotFoundError(f"model {name!r} has no loaded version {version!r}")
+        return lv
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._slots) and all(s.stable is not None for s in self._slots.values())
+
+    # ----------------------------------------------------------------- loading
+    async def load(
+        self,
+        source: ModelSource,
+        *,
+        role: str = "stable",
+        canary_weight: float = 0.1,
+        max_error_rate: float = 0.05,
+    ) -> LoadedVersion:
+        """Load, warm and check ``source``, then give it ``role`` (stable, canary or shadow).
+
+        Loading ``stable`` over an existing stable is a hot swap. Raises
+        :class:`ModelLoadError` (nothing changes) when the model does not load, does not fit in
+        memory, or fails its warm-up checks.
+        """
+        if role not in ("stable", "canary", "shadow"):
+            raise ValueError(f"unknown role {role!r}")
+        existing = self._slots.get(source.name)
+        if existing is not None and source.version in existing.versions:
+            raise ModelLoadError(f"{source.name} {source.version} is already loaded")
+        self._check_memory(source)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        try:
+            runners = await loop.run_in_executor(None, self._factory, source)
+        except RunnerError:
+            self.metrics.load_failures.labels(source.name, "load").inc()
+            raise
+        load_s = time.perf_counter() - t0
+        try:
+            warmup_s = await loop.run_in_executor(None, warm_up, runners)
+        except RunnerError:
+            self.metrics.load_failures.labels(source.name, "warmup").inc()
+            for r in runners:
+                r.close()
+            raise
+        lv = LoadedVersion(source, runners, self._make_batcher(source, runners), load_s, warmup_s)
+        self.metrics.load_seconds.labels(source.name).observe(load_s)
+        self.metrics.warmup_seconds.labels(source.name).observe(warmup_s)
+        async with self._lock:
+            self._install(lv, role, canary_weight, max_error_rate)
+        log.info(
+            "loaded %s %s as %s on %s/%s (load %.0f ms, warm-up %.0f ms)",
+            source.name, source.version, role, lv.info.backend, lv.info.provider,
+            load_s * 1000, warmup_s * 1000,
+        )
+        return lv
+
+    def _make_batcher(self, source: ModelSource, runners: Sequence[ModelRunner]) -> DynamicBatcher:
+        m = self.metrics
+        name, version = source.name, source.version
+        depth = m.queue_depth.labels(name, version)
+        max_rows = self.batching.max_batch_size
+
+        def on_batch(rows: int, requests: int, wait_s: float, run_s: float) -> None:
+            m.batch_size.labels(name).observe(rows)
+            m.batch_requests.labels(name).observe(requests)
+            m.batch_fill.labels(name).observe(min(1.0, rows / max_rows))
+            m.queue_wait.labels(name).observe(wait_s)
+            m.run_time.labels(name).observe(run_s)
+
+        observer = BatchObserver(on_batch=on_batch, on_queue_depth=depth.set)
+        return DynamicBatcher(runners, self.batching, observer=observer)
+
+    def _install(self, lv: LoadedVersion, role: str, weight: float, max_error_rate: float) -> None:
+        slot = self._slots.setdefault(lv.name, ModelSlot(lv.name))
+        slot.versions[lv.version] = lv
+        replaced: str | None = None
+        if role == "stable":
+            replaced, slot.stable = slot.stable, lv.version
+            if slot.canary is not None and slot.canary.version == lv.version:
+                slot.canary = None  # promoted
+            if replaced is not None:
+                self.metrics.swaps.labels(lv.name).inc()
+                log.info("hot swap: %s %s -> %s", lv.name, replaced, lv.version)
+        elif role == "canary":
+            if slot.stable is None:
+                raise ModelLoadError(f"{lv.name}: load a stable version before a canary")
+            replaced = slot.canary.version if slot.canary else None
+            slot.canary = CanaryState(lv.version, weight, max_error_rate)
+            self.metrics.canary_weight.labels(lv.name).set(weight)
+        else:
+            if slot.stable is None:
+                raise ModelLoadError(f"{lv.name}: load a stable version before a shadow")
+            replaced = slot.shadow.version if slot.shadow else None
+            slot.shadow = ShadowState(lv.version)
+        self._refresh_info()
+        if replaced is not None and replaced != lv.version and slot.role_of(replaced) == "retiring":
+            self._retire(slot, replaced)
+
+    def _retire(self, slot: ModelSlot, version: str) -> None:
+        old = slot.versions.pop(version)
+        self._refresh_info()
+        task = asyncio.get_running_loop().create_task(old.close())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def _refresh_info(self) -> None:
+        m = self.metrics
+        m.model_info.clear()
+        for slot in self._slots.values():
+            for lv in slot.versions.values():
+                role = slot.role_of(lv.version)
+                m.model_info.labels(slot.name, lv.version, role, lv.info.backend, lv.info.provider).set(1)
+        m.models_loaded.set(sum(len(s.versions) for s in self._slots.values()))
+
+    async def unload(self, name: str, version: str | None = None) -> None:
+        """Unload one version (or the whole model) after draining it."""
+        async with self._lock:
+            slot = self.slot(name)
+            versions = [version] if version is not None else list(slot.versions)
+            for v in versions:
+                if v not in slot.versions:
+                    raise ModelNotFoundError(f"model {name!r} has no loaded version {v!r}")
+            for v in versions:
+                if slot.canary is not None and slot.canary.version == v:
+                    slot.canary = None
+                if slot.shadow is not None and slot.shadow.version == v:
+                    slot.shadow = None
+                if slot.stable == v:
+                    slot.stable = None
+                self._retire(slot, v)
+            if not slot.versions:
+                del self._slots[name]
+        await self.drain_retired()
+
+    async def drain_retired(self) -> None:
+        """Wait until every retired version has finished its requests and closed."""
+        while self._retiring:
+            await asyncio.gather(*list(self._retiring), return_exceptions=True)
+
+    async def close(self) -> None:
+        for name in list(self._slots):
+            await self.unload(name)
+        if self._shadow_tasks:
+            await asyncio.gather(*list(self._shadow_tasks), return_exceptions=True)
+
+    def _check_memory(self, source: ModelSource) -> None:
+        try:
+            size = source.model_path.stat().st_size
+        except OSError as e:
+            raise ModelLoadError(f"{source.model_path}: cannot read model file: {e}") from e
+        available = self._available_memory()
+        need = int(size * self._memory_factor) + 16 * 1024 * 1024
+        if available is not None and need > available:
+            raise ModelLoadError(
+                f"{source.name} {source.version} needs about {need >> 20} MiB to load; "
+                f"{available >> 20} MiB is available"
+            )
+
+    # ----------------------------------------------------------------- serving
+    def route(self, name: str, version: str | None = None, request_key: str | None = None) -> LoadedVersion:
+        """Pick the version that answers a request (see the module docstring)."""
+        slot = self.slot(name)
+        if version is not None:
+            return self.get(name, version)
+        canary = slot.canary
+        if canary is not None and canary.enabled and canary.weight > 0:
+            if request_key:
+                digest = hashlib.blake2b(request_key.encode(), digest_size=8).digest()
+                share = int.from_bytes(digest, "big") / 2**64
+            else:
+                share = random.random()
+            if share < canary.weight:
+                return slot.versions[canary.version]
+        return slot.versions[slot.stable or ""]
+
+    async def infer(
+        self,
+        lv: LoadedVersion,
+        feeds: dict[str, Array],
+        *,
+        pinned: bool = False,
+        priority: Priority = Priority.NORMAL,
+        timeout_s: float | None = None,
+    ) -> tuple[LoadedVersion, dict[str, Array]]:
+        """Run ``feeds`` on ``lv`` (from :meth:`route`) and return who answered and the outputs.
+
+        A canary failure is recorded and the request answered by stable instead (unless the
+        version was pinned); a version retired between routing and queueing hands over to the
+        current stable. Shadow copies are started here.
+        """
+        slot = self._slots.get(lv.name)
+        try:
+            outputs = await lv.infer(feeds, priority, timeout_s)
+        except BatcherClosedError:
+            if pinned:
+                raise ModelNotFoundError(f"{lv.name} {lv.version} was unloaded") from None
+            current = self.route(lv.name)
+            return current, await current.infer(feeds, priority, timeout_s)
+        except (InferenceError, DeadlineExceededError) as e:
+            if isinstance(e, InputError) or slot is None or not self._is_canary(slot, lv):
+                raise
+            self._record_canary(slot, failed=True)
+            if pinned:
+                raise
+            stable = self.get(lv.name)
+            log.warning("canary %s %s failed (%s); answered by stable", lv.name, lv.version, e)
+            return stable, await stable.infer(feeds, priority, timeout_s)
+        if slot is not None:
+            if self._is_canary(slot, lv):
+                self._record_canary(slot, failed=False)
+            elif slot.shadow is not None and lv.version == slot.stable:
+                self._start_shadow(slot, feeds, outputs)
+        return lv, outputs
+
+    @staticmethod
+    def _is_canary(slot: ModelSlot, lv: LoadedVersion) -> bool:
+        return slot.canary is not None and slot.canary.version == lv.version
+
+    def _record_canary(self, slot: ModelSlot, *, failed: bool) -> None:
+        canary = slot.canary
+        assert canary is not None
+        if canary.record(failed):
+            self.metrics.canary_fallbacks.labels(slot.name).inc()
+            self.metrics.canary_weight.labels(slot.name).set(0)
+            log.warning(
+                "canary %s %s taken out of rotation: error rate %.1f%% over %d requests "
+                "(limit %.1f%%); stable %s serves all traffic",
+                slot.name, canary.version, canary.error_rate * 100, len(canary.results),
+                canary.max_error_rate * 100, slot.stable,
+            )
+
+    def _start_shadow(self, slot: ModelSlot, feeds: dict[str, Array], stable_out: dict[str, Array]) -> None:
+        shadow = slot.shadow
+        assert shadow is not None
+        if shadow.pending >= shadow.max_pending:
+            shadow.skipped += 1
+            self.metrics.shadow_comparisons.labels(slot.name, "skipped").inc()
+            return
+        lv = slot.versions[shadow.version]
+        shadow.pending += 1
+        task = asyncio.get_running_loop().create_task(self._shadow(slot, shadow, lv, feeds, stable_out))
+        self._shadow_tasks.add(task)
+        task.add_done_callback(self._shadow_tasks.discard)
+
+    async def _shadow(
+        self, slot: ModelSlot, shadow: ShadowState, lv: LoadedVersion,
+        feeds: dict[str, Array], stable_out: dict[str, Array],
+    ) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = await lv.infer(feeds, Priority.LOW, None)
+        except RunnerError:
+            self.metrics.shadow_comparisons.labels(slot.name, "error").inc()
+            shadow.compared += 1
+            return
+        finally:
+            shadow.pending -= 1
+        self.metrics.shadow_latency.labels(slot.name).observe(time.perf_counter() - t0)
+        agree = outputs_agree(stable_out, out)
+        shadow.compared += 1
+        shadow.agreed += agree
+        self.metrics.shadow_comparisons.labels(slot.name, "agree" if agree else "disagree").inc()
+        self.metrics.shadow_agreement.labels(slot.name, shadow.version).set(shadow.agreed / shadow.compared)
+
+    async def wait_for_shadows(self) -> None:
+        """Wait for shadow comparisons started so far (tests and shutdown)."""
+        while self._shadow_tasks:
+            await asyncio.gather(*list(self._shadow_tasks), return_exceptions=True)
+
+
+def _available_memory() -> int | None:
+    """MemAvailable in bytes (Linux), or psutil's figure elsewhere; None when unknown."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None
