@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import click
 
 from agent import __version__
-from shared.profiles import load_profiles
+from shared.profiles import HardwareProfile, load_profiles
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,3 +33,155 @@ def profiles_cmd(as_json: bool) -> None:
         )
         click.echo(f"{name:<{width}}  {order}")
         click.echo(f"{'':<{width}}  {p.description}")
+
+
+@main.command("doctor")
+@click.option("--profile", "profile_name", metavar="NAME",
+              help="Use this profile instead of the detected one (see `mcp-agent profiles`).")
+@click.option("--backend", metavar="NAME",
+              help="Show the order with this backend tried first: cpu, cuda, tensorrt, coreml, "
+                   "openvino, xnnpack, ... (opt-in ones are only used when named here).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("/"),
+              hidden=True, help="Read /proc, /etc and /dev under this directory (tests).")
+@click.option("--system", hidden=True, help="Pretend platform.system() is this (tests).")
+@click.option("--machine", hidden=True, help="Pretend platform.machine() is this (tests).")
+def doctor_cmd(profile_name: str | None, backend: str | None, as_json: bool, root: Path,
+               system: str | None, machine: str | None) -> None:
+    """Show what this box is, which hardware profile fits it and why, and which backends load.
+
+    Exits 0 after a full report, 1 when no profile fits this box (pass --profile), and 2 for an
+    unknown --profile or --backend name.
+    """
+    from agent.hardware import NoProfileError, UnknownProfileError, collect_facts, select_profile
+    from agent.runtime.loader import available_backends  # imports onnxruntime: only here
+
+    profiles = load_profiles()
+    facts = collect_facts(root, system=system, machine=machine)
+    report: dict[str, Any] = {"facts": facts.to_dict(), "backend_requested": backend}
+    try:
+        choice = select_profile(facts, profiles, override=profile_name)
+    except UnknownProfileError as e:
+        raise click.BadParameter(str(e), param_hint="'--profile'") from e
+    except NoProfileError as e:
+        report.update(profile=None, error=str(e), reasons=[], rejected=e.rejected)
+    else:
+        report.update(choice.to_dict())
+        report.update(_backend_plan(choice.profile, backend))
+    report["available"] = available_backends()
+    noted = sorted({f for p in profiles.values() for f in p.detect.cpu_flags_noted})
+    click.echo(json.dumps(report, indent=2) if as_json else _render_doctor(report, noted))
+    if report["profile"] is None:
+        raise SystemExit(1)
+
+
+def _backend_plan(profile: HardwareProfile, backend: str | None) -> dict[str, Any]:
+    """The profile's backends and the order the runtime loader tries them in for each format.
+
+    Raises :class:`click.BadParameter` for a ``--backend`` name the loader does not know.
+    """
+    import onnxruntime
+
+    from agent.runtime.loader import PROVIDER_ALIASES, onnx_providers, provider_alias
+
+    flag_of: dict[str, str] = {}
+    for alias, provider in PROVIDER_ALIASES.items():
+        flag_of.setdefault(provider, alias)
+    offered = set(onnxruntime.get_available_providers())
+    try:
+        if backend not in (None, "onnxruntime", "tflite"):
+            provider_alias(backend)
+        onnx = None
+        if "onnx" in profile.runtime.formats and backend != "tflite":
+            onnx = [p for p, _ in onnx_providers(profile, backend)]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--backend'") from e
+    listed = [
+        {"name": b.name, "provider": b.provider, "opt_in": b.opt_in,
+         "flag": "tflite" if b.name == "tflite" else flag_of.get(b.provider, b.provider),
+         "offered_here": b.provider in offered if b.name == "onnxruntime" else None}
+        for b in profile.runtime.backends
+    ]
+    return {
+        "backends": listed,
+        "onnx_order": onnx,
+        "onnx_would_use": next((p for p in onnx or [] if p in offered), None),
+        "tflite": _tflite_plan(profile, backend),
+    }
+
+
+def _tflite_plan(profile: HardwareProfile, backend: str | None) -> str:
+    """How a ``.tflite`` model would run, following the loader's XNNPACK rule."""
+    if "tflite" not in profile.runtime.formats:
+        return "profile does not run .tflite models"
+    if backend in (None, "tflite"):
+        entries = [b for b in profile.runtime.backends if b.name == "tflite" and not b.opt_in]
+        xnnpack = not entries or entries[0].provider.upper() == "XNNPACK"
+    elif backend.lower() in ("xnnpack", "cpu"):
+        xnnpack = backend.lower() == "xnnpack"
+    else:
+        return f"refused with --backend {backend} (use xnnpack or cpu)"
+    return "TFLite interpreter, XNNPACK delegate " + ("on" if xnnpack else "off")
+
+
+def _section(title: str, rows: list[tuple[str, str]]) -> list[str]:
+    width = max((len(k) for k, _ in rows), default=0)
+    return [title, *(f"  {k:<{width}}  {v}".rstrip() for k, v in rows), ""]
+
+
+def _render_doctor(report: dict[str, Any], noted_flags: list[str]) -> str:
+    """The human form of a ``doctor`` report: aligned sections, ``-`` for unknown values."""
+    f = report["facts"]
+    flags = set(f["cpu_flags"])
+    l4t = f"R{f['l4t_release']}.{f['l4t_revision'] or '?'}" if f["l4t_release"] else None
+    host = [
+        ("os", f["os"]), ("arch", f["arch"]), ("cpu model", f["cpu_model"]),
+        ("cpu count", f["cpu_count"]),
+        ("cpu flags", f"{len(flags)} flags; " + ", ".join(
+            f"{n} {'yes' if n in flags else 'no'}" for n in noted_flags)),
+        ("memory", f"{f['mem_total_mb']} MiB" if f["mem_total_mb"] else None),
+        ("device-tree model", f["device_tree_model"]),
+        ("L4T", f"{l4t} (JetPack {f['jetpack'] or 'unknown'})" if l4t else None),
+        ("gpu hints", "; ".join(f["gpu_hints"])),
+        ("packages", ", ".join(f"{k} {v}" for k, v in f["packages"].items())),
+    ]
+    lines = _section("Host", [(k, str(v) if v not in (None, "") else "-") for k, v in host])
+    if report["profile"] is None:
+        lines += [f"Profile: none ({report['error']})", ""]
+    else:
+        how = "chosen by --profile" if report["overridden"] else "detected"
+        lines += [f"Profile: {report['profile']} ({how})",
+                  *(f"  - {r}" for r in report["reasons"]), ""]
+    lines += _section("Not chosen", list(report["rejected"].items()))
+    if report["profile"] is not None:
+        lines += _render_backends(report)
+    lines += _section("Loadable here", list(report["available"].items()))
+    return "\n".join(lines).rstrip()
+
+
+def _render_backends(report: dict[str, Any]) -> list[str]:
+    requested = (report["backend_requested"] or "").lower()
+    rows = []
+    for i, b in enumerate(report["backends"], 1):
+        marks = []
+        if b["opt_in"]:
+            marks.append(f"opt-in: --backend {b['flag']}")
+        if b["offered_here"] is False:
+            marks.append("not offered by this onnxruntime")
+        if requested and requested == b["flag"]:
+            marks.append("asked for with --backend")
+        note = f"  ({'; '.join(marks)})" if marks else ""
+        rows.append(("profile lists" if i == 1 else "", f"{i}. {b['name']}/{b['provider']}{note}"))
+    order = report["onnx_order"]
+    if order is not None:
+        rows.append((".onnx models", " -> ".join(order)))
+        rows.append(("  would use", report["onnx_would_use"] or "none of them is offered here"))
+    elif requested == "tflite":
+        rows.append((".onnx models", "refused with --backend tflite"))
+    else:
+        rows.append((".onnx models", "profile does not run .onnx models"))
+    rows.append((".tflite models", report["tflite"]))
+    title = f"Backends of {report['profile']}" + (
+        f" with --backend {report['backend_requested']}" if requested else "")
+    return _section(title, rows)
+

@@ -142,6 +142,7 @@ def open_bundle(
             fsync_dir(directory)
         os.rename(stage, dest)
     except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
         raise
     fsync_dir(dest.parent)
     return OpenedBundle(

@@ -1,0 +1,222 @@
+"""``mcp-agent serve``: the standalone local inference server (no control plane needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+from aiohttp import web
+
+from agent.http_api import DEFAULT_MAX_BODY, build_app
+from agent.repository import ModelRepository, RepositoryError, RepositoryWatcher
+from agent.runtime.batcher import BatchingConfig
+from agent.runtime.manager import ModelManager, ModelSource, RunnerFactory
+from agent.runtime.runner import ModelRunner
+from shared.errors import McpError
+from shared.profiles import HardwareProfile
+from shared.signing import PublicKey, read_public_key
+
+log = logging.getLogger("mcp.agent")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything ``serve`` needs, parsed once from flags."""
+
+    model_path: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    workers: int = 1
+    """Model instances per model version (sessions the batcher dispatches between)."""
+    threads: int | None = None
+    """Backend threads per instance; None: the profile's default split across instances."""
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    profile: str | None = None
+    backend: str | None = None
+    trusted_keys: tuple[PublicKey, ...] = ()
+    watch_interval_s: float | None = 1.0
+    state_dir: Path = field(default_factory=lambda: default_state_dir())
+    max_body: int = DEFAULT_MAX_BODY
+    access_log: bool = False
+
+
+def default_state_dir() -> Path:
+    """``/var/lib/mcp-agent`` for root, else ``$XDG_STATE_HOME/mcp-agent`` (~/.local/state)."""
+    if os.geteuid() == 0:
+        return Path("/var/lib/mcp-agent")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "mcp-agent"
+
+
+def choose_profile(name: str | None) -> tuple[HardwareProfile, list[str]]:
+    """The profile for this box (or ``name``) and the reasons it was chosen."""
+    from agent.hardware import collect_facts, select_profile
+    from shared.profiles import load_profiles
+
+    choice = select_profile(collect_facts(), load_profiles(), override=name)
+    return choice.profile, list(choice.reasons)
+
+
+def runner_factory(
+    profile: HardwareProfile, *, workers: int, threads: int | None, backend: str | None
+) -> RunnerFactory:
+    from agent.runtime.loader import load_runner
+
+    per_instance = threads
+    if per_instance is None and workers > 1:
+        per_instance = max(1, (os.cpu_count() or 1) // workers)
+
+    def build(source: ModelSource) -> Sequence[ModelRunner]:
+        runners: list[ModelRunner] = []
+        try:
+            for _ in range(workers):
+                runners.append(
+                    load_runner(source.model_path, profile, backend=backend, threads=per_instance)
+                )
+        except BaseException:
+            for r in runners:
+                r.close()
+            raise
+        return runners
+
+    return build
+
+
+
+async def run_server(config: ServeConfig, *, ready: asyncio.Event | None = None) -> None:
+    """Load the models, serve until SIGINT/SIGTERM (or cancellation), then drain and stop."""
+    profile, reasons = choose_profile(config.profile)
+    log.info("profile %s (%s)", profile.name, "; ".join(reasons[:3]))
+    manager = ModelManager(
+        runner_factory(profile, workers=config.workers, threads=config.threads, backend=config.backend),
+        batching=config.batching,
+    )
+    repo = ModelRepository(
+        config.model_path, state_dir=config.state_dir, profile=profile,
+        trusted_keys=config.trusted_keys,
+    )
+    repo.reset_bundle_dir()
+    known = await repo.load_all(manager)
+    watcher = None
+    if config.watch_interval_s:
+        watcher = RepositoryWatcher(repo, manager, known, interval_s=config.watch_interval_s)
+        watcher.start()
+    app = build_app(manager, max_body=config.max_body)
+    runner = web.AppRunner(app, access_log=log if config.access_log else None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    await site.start()
+    for name in manager.names():
+        lv = manager.get(name)
+        log.info(
+            "serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider
+        )
+    click.echo(
+        f"mcp-agent: serving {', '.join(manager.names())} on http://{config.host}:{config.port} "
+        f"(profile {profile.name}; try GET /v2/models/{manager.names()[0]})",
+        err=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: draining requests")
+        if watcher is not None:
+            await watcher.stop()
+        await runner.cleanup()
+        await manager.close()
+
+
+def _install_event_loop() -> None:
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+@click.command("serve")
+@click.option("--model-path", required=True, type=click.Path(exists=True, path_type=Path),
+              help="A model file (.onnx, .tflite, .mcpb) or a directory of them.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="Model instances per model; requests go to the least loaded.")
+@click.option("--threads", type=click.IntRange(1, 256), default=None,
+              help="Backend threads per instance (default: the profile's).")
+@click.option("--max-batch-size", default=32, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--max-queue-delay-ms", default=0.0, show_default=True, type=click.FloatRange(0, 10_000),
+              help="How long a partial batch may wait for more requests.")
+@click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="Requests waiting per model version before answering 429.")
+@click.option("--timeout-ms", default=30_000.0, show_default=True, type=click.FloatRange(1, 3_600_000),
+              help="Default per-request deadline (504 past it).")
+@click.option("--no-batching", is_flag=True, help="Run every request on its own.")
+@click.option("--profile", default=None, help="Hardware profile to use instead of detecting one.")
+@click.option("--backend", default=None,
+              help="Backend or provider to try first (cpu, cuda, tensorrt, coreml, openvino, xnnpack).")
+@click.option("--trust-key", "trust_keys", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="Publisher public key; when given, bundles must be signed by one of them.")
+@click.option("--watch-interval", default=1.0, show_default=True, type=click.FloatRange(0, 3600),
+              help="Seconds between checks for replaced model files (0: no hot reload).")
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where bundles are unpacked (default: /var/lib/mcp-agent or ~/.local/state).")
+@click.option("--max-body-mb", default=8, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--access-log", is_flag=True, help="Log every request.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"]))
+def serve_command(
+    model_path: Path, host: str, port: int, workers: int, threads: int | None,
+    max_batch_size: int, max_queue_delay_ms: float, max_queue: int, timeout_ms: float,
+    no_batching: bool, profile: str | None, backend: str | None, trust_keys: tuple[Path, ...],
+    watch_interval: float, state_dir: Path | None, max_body_mb: int, access_log: bool,
+    log_level: str,
+) -> None:
+    """Serve models over HTTP (Open Inference Protocol v2 and /v1/infer) with no control plane.
+
+    \b
+    Examples:
+      mcp-agent serve --model-path digits.onnx --port 8080
+      mcp-agent serve --model-path models/ --workers 2 --trust-key publisher.pub
+      curl localhost:8080/v2/models/digits
+    """
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        keys = tuple(read_public_key(p) for p in trust_keys)
+    except McpError as e:
+        raise click.ClickException(str(e)) from e
+    config = ServeConfig(
+        model_path=model_path, host=host, port=port, workers=workers, threads=threads,
+        batching=BatchingConfig(
+            max_batch_size=1 if no_batching else max_batch_size,
+            max_queue_delay_s=max_queue_delay_ms / 1000.0,
+            max_queue=max_queue,
+            default_timeout_s=timeout_ms / 1000.0,
+        ),
+        profile=profile, backend=backend, trusted_keys=keys,
+        watch_interval_s=watch_interval or None,
+        state_dir=state_dir or default_state_dir(),
+        max_body=max_body_mb * 1024 * 1024, access_log=access_log,
+    )
+    _install_event_loop()
+    try:
+        asyncio.run(run_server(config))
+    except (RepositoryError, McpError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
