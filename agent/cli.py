@@ -185,3 +185,12 @@ def _render_backends(report: dict[str, Any]) -> list[str]:
         f" with --backend {report['backend_requested']}" if requested else "")
     return _section(title, rows)
 
+
+
+def _register_serve() -> None:
+    from agent.serve import serve_command
+
+    main.add_command(serve_command)
+
+
+_register_serve()

@@ -26,6 +26,8 @@ from shared.profiles import HardwareProfile, load_profiles
 
 READ_CAP_BYTES = 2 * 1024 * 1024
 """Most bytes read from any one file; a 512-core ``/proc/cpuinfo`` is about 1 MiB."""
+MAX_TEXT_CHARS, MAX_FLAGS, MAX_FLAG_CHARS = 200, 256, 32
+"""Caps on what facts keep (model strings; CPU flags), so they fit in an enrollment request."""
 
 RELEVANT_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "ai-edge-litert",
                      "tflite-runtime", "openvino", "tensorrt")
@@ -90,8 +92,8 @@ class HostFacts:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only: sets become sorted lists, mappings plain dicts."""
-        return {**asdict(self), "cpu_flags": sorted(self.cpu_flags), "gpu_hints": list(self.gpu_hints),
-                "files_present": sorted(self.files_present),
+        return {**asdict(self), "cpu_flags": sorted(self.cpu_flags),
+                "gpu_hints": list(self.gpu_hints), "files_present": sorted(self.files_present),
                 "packages": dict(sorted(self.packages.items()))}
 
     @classmethod
@@ -172,7 +174,7 @@ def collect_facts(
     if probe_files is None:
         probe_files = {f for p in load_profiles().values() for f in p.detect.files_present}
     cpu = _parse_cpuinfo(_read_text(_under(root, "/proc/cpuinfo")) or "")
-    dt_model = (_read_text(_under(root, "/proc/device-tree/model"), 4096) or "").strip() or None
+    dt_model = _clean(_read_text(_under(root, "/proc/device-tree/model"), 4096))
     mem = _parse_meminfo(_read_text(_under(root, "/proc/meminfo"), 64 * 1024) or "")
     count = cpu.get("count") or (os.cpu_count() if real_root else None)
     mem = mem or (_sysconf_mem_mb() if real_root else None)
@@ -180,7 +182,7 @@ def collect_facts(
     return HostFacts(
         os=system if system is not None else platform.system(),
         arch=machine if machine is not None else platform.machine(),
-        cpu_model=cpu.get("model") or None,
+        cpu_model=_clean(cpu.get("model")),
         cpu_flags=frozenset(cpu.get("flags") or ()),
         cpu_count=count,
         mem_total_mb=mem,
@@ -197,9 +199,16 @@ def collect_facts(
 def _gpu_hints(root: Path) -> tuple[str, ...]:
     hints = [f"{p} ({what})" for p, what in _GPU_MARKERS if os.path.lexists(_under(root, p))]
     driver = _read_text(_under(root, "/proc/driver/nvidia/version"), 4096)
-    if driver and driver.strip():
-        hints.append(f"NVIDIA driver: {driver.strip().splitlines()[0][:200]}")
+    line = _clean((driver or "").strip().split("\n", 1)[0])
+    if line:
+        hints.append(f"NVIDIA driver: {line}")
     return tuple(hints)
+
+
+def _clean(text: str | None) -> str | None:
+    """Printable characters only, at most :data:`MAX_TEXT_CHARS`; ``None`` when nothing is left."""
+    kept = "".join(ch for ch in (text or "")[: MAX_TEXT_CHARS * 4] if ch.isprintable()).strip()
+    return kept[:MAX_TEXT_CHARS] or None
 
 
 def _sysconf_mem_mb() -> int | None:
@@ -229,7 +238,8 @@ def _parse_cpuinfo(text: str) -> dict[str, Any]:
     board = fields.get("model", "")
     model = model or (board if board and not board.isdecimal() else None) or fields.get("hardware")
     flags = (fields.get("flags") or fields.get("features") or "").split()
-    return {"model": model, "flags": [f for f in flags if f.isprintable()], "count": count}
+    flags = [f[:MAX_FLAG_CHARS] for f in flags if f.isascii() and f.isprintable()][:MAX_FLAGS]
+    return {"model": model, "flags": flags, "count": count}
 
 
 def _parse_l4t(text: str) -> tuple[int | None, str | None]:
@@ -263,8 +273,8 @@ def _contains(what: str, value: str | None, needles: list[str]) -> _Rule:
 def _l4t_rule(facts: HostFacts, profile: HardwareProfile, minimum: int) -> _Rule:
     label = profile.name.replace("-", " ").title()
     need_jp = JETPACK_BY_L4T.get(minimum, "").replace(".x", ".0+")
-    need = f"{label} needs JetPack {need_jp} (L4T R{minimum})" if need_jp else \
-        f"{label} needs L4T R{minimum} or newer"
+    need = (f"{label} needs JetPack {need_jp} (L4T R{minimum})" if need_jp
+            else f"{label} needs L4T R{minimum} or newer")
     have = facts.l4t_release
     if have is None:
         return _Rule(False, f"L4T release unknown; {need}", True)
@@ -332,15 +342,15 @@ def select_profile(
     if override is None:
         if detected is None:
             raise NoProfileError(rejected)
-        why = f"{detected.name}: highest-priority profile whose rules all match " \
-              f"(priority {detected.priority})"
+        why = (f"{detected.name}: highest-priority profile whose rules all match "
+               f"(priority {detected.priority})")
         reasons = [*refusals, why, *(r.text for r in results[detected.name])]
         return ProfileChoice(detected, reasons, rejected, False, detected.name)
     chosen = profiles[override]
-    failed = [r.text for r in results[override] if not r.ok]
+    misses = [r.text for r in results[override] if not r.ok]
     head = f"{override}: chosen by --profile; " + (
-        "its rules all match this box" if not failed
-        else f"its rules do NOT match this box ({'; '.join(failed)})")
+        "its rules all match this box" if not misses
+        else f"its rules do NOT match this box ({'; '.join(misses)})")
     auto = detected.name if detected else None
     reasons = [head, f"auto-detection would pick {auto or 'no profile'}",
                *(r.text for r in results[override] if r.ok)]

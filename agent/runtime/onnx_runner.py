@@ -113,7 +113,11 @@ class InputValidator:
         if len(feeds) == self._count:
             for name, dtype, rank, fixed, tail in self._checks:
                 array = feeds.get(name)
-                if type(array) is not np.ndarray or array.dtype != dtype or array.ndim != rank:
+                if (
+                    type(array) is not np.ndarray
+                    or (array.dtype is not dtype and array.dtype != dtype)
+                    or array.ndim != rank
+                ):
                     break
                 shape = array.shape
                 if fixed is not None and (shape[1:] if tail else shape) != fixed:
@@ -126,7 +130,7 @@ class InputValidator:
 
     def _dims_fit(self, name: str, shape: tuple[int, ...]) -> bool:
         want = self._specs[name].shape
-        return all(w < 0 or w == got for w, got in zip(want, shape))
+        return all(w < 0 or w == got for w, got in zip(want, shape, strict=True))
 
     def _check_slowly(self, feeds: Mapping[str, Array]) -> dict[str, Array]:
         unknown = [name for name in feeds if name not in self._specs]
@@ -154,7 +158,7 @@ class InputValidator:
                 f"{where} has shape {_describe(array.shape)} (rank {array.ndim}); the model "
                 f"wants rank {len(spec.shape)}, shape {_describe(spec.shape)}"
             )
-        for axis, (want, got) in enumerate(zip(spec.shape, array.shape)):
+        for axis, (want, got) in enumerate(zip(spec.shape, array.shape, strict=True)):
             if want >= 0 and want != got:
                 raise InputError(
                     f"{where} has shape {_describe(array.shape)}; dimension {axis} must be "
@@ -239,6 +243,8 @@ class OnnxRunner:
         inputs = tuple(self._spec(arg) for arg in session.get_inputs())
         outputs = tuple(self._spec(arg) for arg in session.get_outputs())
         self._output_names = [spec.name for spec in outputs]
+        # Most models have one output; a dict literal is several times cheaper than dict(zip).
+        self._single_output = self._output_names[0] if len(outputs) == 1 else None
         self._validator = InputValidator(self._label, inputs)
         self._info = RunnerInfo(
             backend="onnxruntime",
@@ -336,7 +342,9 @@ class OnnxRunner:
             raise InputError(f"{self._label}: {_first_line(e)}") from e
         except Exception as e:
             raise InferenceError(f"{self._label}: inference failed: {_first_line(e)}") from e
-        return dict(zip(self._output_names, results))
+        if self._single_output is not None:
+            return {self._single_output: results[0]}
+        return dict(zip(self._output_names, results, strict=True))
 
     def close(self) -> None:
         """Drop the session; later ``run`` calls raise :class:`InferenceError`."""

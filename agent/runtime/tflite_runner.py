@@ -129,6 +129,7 @@ class TFLiteRunner:
         self._interpreter: Any = interpreter
         self._input_names = tuple(spec.name for spec in inputs)
         self._output_names = tuple(spec.name for spec in outputs)
+        self._single_output = self._output_names[0] if len(outputs) == 1 else None
         self._allocated: tuple[tuple[int, ...], ...] | None = None
         self._validator = InputValidator(self._label, inputs)
 
@@ -221,20 +222,22 @@ class TFLiteRunner:
             if shapes != self._allocated:
                 self._resize(interpreter, shapes)
             try:
-                for index, name in zip(self._input_indices, self._input_names):
+                for index, name in zip(self._input_indices, self._input_names, strict=True):
                     interpreter.set_tensor(index, checked[name])
                 interpreter.invoke()
                 results = [interpreter.get_tensor(index) for index in self._output_indices]
             except (ValueError, RuntimeError) as e:
                 raise InferenceError(f"{self._label}: inference failed: {e}") from e
-        return dict(zip(self._output_names, results))
+        if self._single_output is not None:
+            return {self._single_output: results[0]}
+        return dict(zip(self._output_names, results, strict=True))
 
     def _resize(self, interpreter: Any, shapes: tuple[tuple[int, ...], ...]) -> None:
         # Called under the lock. Forget the old size first: a failure half-way leaves the
         # tensors in an unknown state, and the next call must resize again.
         self._allocated = None
         try:
-            for index, shape in zip(self._input_indices, shapes):
+            for index, shape in zip(self._input_indices, shapes, strict=True):
                 interpreter.resize_tensor_input(index, list(shape), strict=True)
         except (ValueError, RuntimeError) as e:
             raise InputError(f"{self._label}: cannot resize inputs to {list(shapes)}: {e}") from e

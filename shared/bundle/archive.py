@@ -40,9 +40,11 @@ from pydantic import ValidationError
 from shared.bundle._progress import progress_bar
 from shared.bundle.manifest import (
     MANIFEST_NAME,
+    MAX_LABELS_BYTES,
     RESERVED_NAMES,
     SIGNATURE_NAME,
     BundleManifest,
+    LabelsRef,
     member_name_problem,
 )
 from shared.bundle.models import inspect_model
@@ -295,6 +297,8 @@ def scan_bundle(
     if validate_models and stage_dir is None and not metadata_only:
         raise ValueError("validate_models needs a stage_dir")
     path = Path(path)
+    if not stat.S_ISREG(path.stat().st_mode):  # before open(): a FIFO would block it
+        raise bundle_error(f"{path} is not a regular file")
     whole = hashlib.sha256()
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
@@ -348,14 +352,16 @@ def check_contents(manifest: BundleManifest, root: Path) -> None:
             raise bundle_error(
                 "model inputs/outputs differ from those the manifest records", variant.file
             )
-    if manifest.labels is not None:
-        raw = (root / manifest.labels.file).read_bytes()
+    labels = manifest.labels
+    if labels is not None:
+        path = root / labels.file
+        if path.stat().st_size > MAX_LABELS_BYTES:
+            raise bundle_error(f"labels file is over {MAX_LABELS_BYTES} bytes", labels.file)
         try:
-            labels = [line for line in raw.decode("utf-8").splitlines() if line.strip()]
-        except UnicodeDecodeError as e:
-            raise bundle_error("labels file is not UTF-8", manifest.labels.file) from e
-        if len(labels) != manifest.labels.count:
+            count = LabelsRef.count_labels(path.read_bytes())
+        except ValueError as e:
+            raise bundle_error(f"labels file unusable: {e}", labels.file) from e
+        if count != labels.count:
             raise bundle_error(
-                f"holds {len(labels)} labels, the manifest says {manifest.labels.count}",
-                manifest.labels.file,
+                f"holds {count} labels, the manifest says {labels.count}", labels.file
             )

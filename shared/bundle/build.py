@@ -35,6 +35,7 @@ from shared.bundle.manifest import (
     ANY_PROFILE,
     DEFAULT_TAG,
     MANIFEST_NAME,
+    MAX_LABELS_BYTES,
     SCHEMA_VERSION,
     SIGNATURE_NAME,
     BundleManifest,
@@ -246,10 +247,10 @@ def build_bundle(
 def _labels(path: Path, limits: BundleLimits, progress: bool) -> tuple[_Source, LabelsRef]:
     source = _hash_file(path, LABELS_MEMBER, limits, progress)
     try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BundleError(f"{path}: labels must be UTF-8 text, one label per line") from e
-    count = sum(1 for line in text.splitlines() if line.strip())
+        with open(path, "rb") as f:
+            count = LabelsRef.count_labels(f.read(MAX_LABELS_BYTES + 1))
+    except ValueError as e:
+        raise BundleError(f"{path}: labels must be UTF-8 text, one label per line: {e}") from e
     return source, LabelsRef(file=LABELS_MEMBER, count=count)
 
 

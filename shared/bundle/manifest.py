@@ -34,6 +34,7 @@ RESERVED_NAMES = frozenset({MANIFEST_NAME, SIGNATURE_NAME})
 DEFAULT_TAG = "default"
 ANY_PROFILE = "*"
 MAX_MEMBER_NAME = 200
+MAX_LABELS_BYTES = 16 << 20
 
 ModelFormat = Literal["onnx", "tflite"]
 """Model file formats a bundle may carry."""
@@ -185,6 +186,13 @@ class LabelsRef(_Schema):
     file: MemberName
     count: int = Field(ge=0)
 
+    @staticmethod
+    def count_labels(data: bytes) -> int:
+        """Number of non-empty lines; raises ValueError for non-UTF-8 or oversized data."""
+        if len(data) > MAX_LABELS_BYTES:
+            raise ValueError(f"labels file is over {MAX_LABELS_BYTES} bytes")
+        return sum(1 for line in data.decode("utf-8").splitlines() if line.strip())
+
 
 class FileEntry(_Schema):
     """A member of the bundle other than manifest.json / manifest.sig."""
@@ -292,6 +300,18 @@ class BundleManifest(_Schema):
         folded = {p.casefold() for p in by_path}
         if len(folded) != len(by_path):
             raise ValueError("files lists paths that differ only in letter case")
+        for path in by_path:
+            parts = path.casefold().split("/")
+            clash = next(
+                (
+                    "/".join(parts[:i])
+                    for i in range(1, len(parts))
+                    if "/".join(parts[:i]) in folded
+                ),
+                None,
+            )
+            if clash is not None:
+                raise ValueError(f"{path!r} would need {clash!r}, a listed file, as a directory")
         tags = [v.tag for v in self.variants]
         if len(set(tags)) != len(tags):
             raise ValueError("two variants share a tag")

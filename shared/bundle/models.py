@@ -58,9 +58,8 @@ _NUMPY_TYPES: dict[str, Datatype] = {
     "uint64": "UINT64",
     "bool": "BOOL",
     "bytes": "BYTES",
-    "bytes_": "BYTES",
-    "object_": "BYTES",
-    "str_": "BYTES",
+    "object": "BYTES",
+    "str": "BYTES",
 }
 _OIP_NUMPY: dict[str, str] = {
     "FP32": "float32",
@@ -218,9 +217,10 @@ def _load_tflite(path: Path, label: str, member: str | None) -> Any:
 
 
 def _numpy_datatype(dtype: Any, label: str, name: str, member: str | None) -> Datatype:
-    datatype = _NUMPY_TYPES.get(np.dtype(dtype).name) or _NUMPY_TYPES.get(
-        getattr(dtype, "__name__", "")
-    )
+    try:
+        datatype = _NUMPY_TYPES.get(np.dtype(dtype).name)
+    except TypeError:
+        datatype = None
     if datatype is None:
         raise ModelValidationError(
             f"{label}: {name!r} has type {dtype}, which the Open Inference Protocol cannot carry",

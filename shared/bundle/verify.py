@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ class VerifiedBundle:
 class OpenedBundle(VerifiedBundle):
     """A verified bundle unpacked under ``root`` (manifest.json and manifest.sig included)."""
 
-    root: Path = field(default=Path())
+    root: Path
 
     def path_of(self, member: str) -> Path:
         """Where a listed member lies on disk; raises KeyError for an unlisted one."""

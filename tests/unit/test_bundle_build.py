@@ -57,7 +57,11 @@ def test_onnx_bundle_builds_signs_and_verifies(
 ) -> None:
     out = tmp_path / "digits.mcpb"
     manifest = build_bundle(
-        digits.onnx_path, out, name="digits", version="1.3.0", labels_path=labels,
+        digits.onnx_path,
+        out,
+        name="digits",
+        version="1.3.0",
+        labels_path=labels,
         variants={"rpi": VariantSource(digits.tflite_path, ("raspberry-pi", "generic-arm64"))},
         created=CREATED,
     )
@@ -69,7 +73,12 @@ def test_onnx_bundle_builds_signs_and_verifies(
 
     assert result.signer_keyid == publisher.keyid
     m = result.manifest
-    assert (m.name, m.version, m.format, m.created) == ("digits", "1.3.0", "onnx", "2024-05-01T12:00:00Z")
+    assert (m.name, m.version, m.format, m.created) == (
+        "digits",
+        "1.3.0",
+        "onnx",
+        "2024-05-01T12:00:00Z",
+    )
     assert m.inputs == DIGITS_IN and m.outputs == DIGITS_OUT
     assert m.labels is not None and (m.labels.file, m.labels.count) == ("labels.txt", 10)
     assert m.constraints.min_runtime["onnx_opset"] >= 13
@@ -88,7 +97,10 @@ def test_onnx_bundle_builds_signs_and_verifies(
     with tarfile.open(out) as tar:
         names = tar.getnames()
     assert names == [
-        "manifest.json", "manifest.sig", "labels.txt", "models/model.onnx",
+        "manifest.json",
+        "manifest.sig",
+        "labels.txt",
+        "models/model.onnx",
         "models/model.rpi.tflite",
     ]
 
@@ -118,7 +130,10 @@ def test_onnx_metadata_props_are_copied_and_overridable(
     onnx.save(model, str(src))
 
     m = build_bundle(
-        src, tmp_path / "b.mcpb", name="digits", version="1.0.0",
+        src,
+        tmp_path / "b.mcpb",
+        name="digits",
+        version="1.0.0",
         metadata={"license": "Apache-2.0", "git_sha": "abc123"},
     )
 
@@ -129,7 +144,10 @@ def test_baseline_is_computed_from_samples_and_model_answers(
     tmp_path: Path, digits: DigitsModels, samples: Path
 ) -> None:
     m = build_bundle(
-        digits.onnx_path, tmp_path / "b.mcpb", name="digits", version="1.0.0",
+        digits.onnx_path,
+        tmp_path / "b.mcpb",
+        name="digits",
+        version="1.0.0",
         baseline_npy=samples,
     )
 
@@ -167,12 +185,22 @@ def test_same_inputs_give_the_same_bytes(
     a, b, c = tmp_path / "a.mcpb", tmp_path / "b.mcpb", tmp_path / "c.mcpb"
     for out in (a, b):
         build_bundle(
-            digits.onnx_path, out, name="digits", version="1.0.0", labels_path=labels,
-            baseline_npy=samples, created=CREATED,
+            digits.onnx_path,
+            out,
+            name="digits",
+            version="1.0.0",
+            labels_path=labels,
+            baseline_npy=samples,
+            created=CREATED,
         )
     build_bundle(
-        digits.onnx_path, c, name="digits", version="1.0.0", labels_path=labels,
-        baseline_npy=samples, created=datetime(2025, 1, 1, tzinfo=timezone.utc),
+        digits.onnx_path,
+        c,
+        name="digits",
+        version="1.0.0",
+        labels_path=labels,
+        baseline_npy=samples,
+        created=datetime(2025, 1, 1, tzinfo=timezone.utc),
     )
 
     assert a.read_bytes() == b.read_bytes()
@@ -193,7 +221,7 @@ def test_bad_name_is_refused(tmp_path: Path, digits: DigitsModels, name: str) ->
 @pytest.mark.parametrize("version", ["1.3", "1.3.0.1", "01.2.3", "latest", ""])
 def test_bad_version_is_refused(tmp_path: Path, digits: DigitsModels, version: str) -> None:
     out = tmp_path / "out.mcpb"
-    with pytest.raises(BundleError, match="semantic version|not a version"):
+    with pytest.raises(BundleError, match=r"semantic version|not a version"):
         build_bundle(digits.onnx_path, out, name="digits", version=version)
     assert not out.exists()
 
@@ -201,14 +229,20 @@ def test_bad_version_is_refused(tmp_path: Path, digits: DigitsModels, version: s
 def test_variant_tag_default_is_refused(tmp_path: Path, digits: DigitsModels) -> None:
     with pytest.raises(BundleError, match="'default' variant is the main model"):
         build_bundle(
-            digits.onnx_path, tmp_path / "o.mcpb", name="d", version="1.0.0",
+            digits.onnx_path,
+            tmp_path / "o.mcpb",
+            name="d",
+            version="1.0.0",
             variants={"default": VariantSource(digits.tflite_path)},
         )
 
 
 def test_variant_profiles_default_to_its_tag(tmp_path: Path, digits: DigitsModels) -> None:
     m = build_bundle(
-        digits.onnx_path, tmp_path / "o.mcpb", name="d", version="1.0.0",
+        digits.onnx_path,
+        tmp_path / "o.mcpb",
+        name="d",
+        version="1.0.0",
         variants={"jetson-orin": VariantSource(digits.onnx_path)},
     )
     assert m.variant("jetson-orin").profiles == ("jetson-orin",)
@@ -218,21 +252,32 @@ def test_corrupt_model_is_refused_at_build(tmp_path: Path) -> None:
     bad = tmp_path / "bad.onnx"
     bad.write_bytes(b"\x08\x07garbage that is not a model" * 10)
     out = tmp_path / "o.mcpb"
-    with pytest.raises(ModelValidationError, match="bad.onnx"):
+    with pytest.raises(ModelValidationError, match=r"bad\.onnx"):
         build_bundle(bad, out, name="bad", version="1.0.0")
     assert not out.exists()
 
 
 def test_preprocessing_is_validated(tmp_path: Path, digits: DigitsModels) -> None:
     m = build_bundle(
-        digits.onnx_path, tmp_path / "o.mcpb", name="d", version="1.0.0",
-        preprocessing={"kind": "image", "layout": "flat", "size": [8, 8], "scale": 1 / 16,
-                       "grayscale": True},
+        digits.onnx_path,
+        tmp_path / "o.mcpb",
+        name="d",
+        version="1.0.0",
+        preprocessing={
+            "kind": "image",
+            "layout": "flat",
+            "size": [8, 8],
+            "scale": 1 / 16,
+            "grayscale": True,
+        },
     )
     assert m.preprocessing is not None and m.preprocessing.size == (8, 8)
     with pytest.raises(BundleError, match="invalid preprocessing: layout"):
         build_bundle(
-            digits.onnx_path, tmp_path / "p.mcpb", name="d", version="1.0.0",
+            digits.onnx_path,
+            tmp_path / "p.mcpb",
+            name="d",
+            version="1.0.0",
             preprocessing={"kind": "image", "layout": "CHWN"},
         )
 
@@ -250,14 +295,19 @@ def test_open_bundle_unpacks_a_runnable_model(
 
     assert opened.root == dest
     assert sorted(p.name for p in dest.iterdir()) == [
-        "labels.txt", "manifest.json", "manifest.sig", "models",
+        "labels.txt",
+        "manifest.json",
+        "manifest.sig",
+        "models",
     ]
     assert opened.path_of("labels.txt").read_bytes() == labels.read_bytes()
     model = opened.variant_path("default")
     np.testing.assert_allclose(
         onnx_predict(model, digits.X_test[:5]), onnx_predict(digits.onnx_path, digits.X_test[:5])
     )
-    assert BundleManifest.model_validate_json((dest / "manifest.json").read_bytes()) == opened.manifest
+    assert (
+        BundleManifest.model_validate_json((dest / "manifest.json").read_bytes()) == opened.manifest
+    )
     assert sorted(p.name for p in dest.parent.iterdir()) == ["digits-1.0.0"]  # no staging left
     with pytest.raises(FileExistsError):
         open_bundle(bundle, dest, [publisher.public_key])

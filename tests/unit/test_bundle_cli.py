@@ -55,7 +55,9 @@ def test_keygen_writes_a_private_key_0600_and_its_public_half(
 
 
 def test_build_sign_verify_inspect(
-    tmp_path: Path, digits: DigitsModels, keys: tuple[Path, Path],
+    tmp_path: Path,
+    digits: DigitsModels,
+    keys: tuple[Path, Path],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     key, pub = keys
@@ -64,12 +66,28 @@ def test_build_sign_verify_inspect(
     np.save(tmp_path / "samples.npy", digits.X_test[:100])
 
     built = run(
-        "build", digits.onnx_path, "--name", "digits", "--version", "1.3.0",
-        "--labels", "labels.txt", "--baseline", "samples.npy",
-        "--variant", f"rpi={digits.tflite_path}:raspberry-pi,generic-arm64",
-        "--preprocess", "image:layout=flat,size=8x8,scale=1/16,grayscale=true",
-        "--constraint", "min_memory_mb=64", "--constraint", "chip_affinity=cortex-a76",
-        "--constraint", "min_runtime.onnxruntime=1.17.0", "--meta", "team=vision",
+        "build",
+        digits.onnx_path,
+        "--name",
+        "digits",
+        "--version",
+        "1.3.0",
+        "--labels",
+        "labels.txt",
+        "--baseline",
+        "samples.npy",
+        "--variant",
+        f"rpi={digits.tflite_path}:raspberry-pi,generic-arm64",
+        "--preprocess",
+        "image:layout=flat,size=8x8,scale=1/16,grayscale=true",
+        "--constraint",
+        "min_memory_mb=64",
+        "--constraint",
+        "chip_affinity=cortex-a76",
+        "--constraint",
+        "min_runtime.onnxruntime=1.17.0",
+        "--meta",
+        "team=vision",
     )
     assert built.exit_code == 0, built.output
     bundle = tmp_path / "digits-1.3.0.mcpb"  # the default output name
@@ -88,8 +106,13 @@ def test_build_sign_verify_inspect(
     m = info["manifest"]
     assert info["signature"]["keyid"] == read_public_key(pub).keyid
     assert m["preprocessing"] == {
-        "kind": "image", "layout": "flat", "size": [8, 8], "scale": 0.0625, "mean": None,
-        "std": None, "grayscale": True,
+        "kind": "image",
+        "layout": "flat",
+        "size": [8, 8],
+        "scale": 0.0625,
+        "mean": None,
+        "std": None,
+        "grayscale": True,
     }
     assert m["constraints"]["min_memory_mb"] == 64
     assert m["constraints"]["chip_affinity"] == ["cortex-a76"]
@@ -107,8 +130,10 @@ def test_build_sign_verify_inspect(
 @pytest.fixture
 def signed_bundle(tmp_path: Path, digits: DigitsModels, keys: tuple[Path, Path]) -> Path:
     bundle = tmp_path / "d.mcpb"
-    assert run("build", digits.onnx_path, "--name", "d", "--version", "1.0.0",
-               "-o", bundle).exit_code == 0
+    assert (
+        run("build", digits.onnx_path, "--name", "d", "--version", "1.0.0", "-o", bundle).exit_code
+        == 0
+    )
     assert run("sign", bundle, "--key", keys[0]).exit_code == 0
     return bundle
 
@@ -173,12 +198,21 @@ def test_untrusted_or_missing_signature(
 
 
 def test_build_errors_are_one_line_and_exit_1(tmp_path: Path, digits: DigitsModels) -> None:
-    bad_name = run("build", digits.onnx_path, "--name", "Bad Name", "--version", "1.0.0",
-                   "-o", tmp_path / "x.mcpb")
+    bad_name = run(
+        "build",
+        digits.onnx_path,
+        "--name",
+        "Bad Name",
+        "--version",
+        "1.0.0",
+        "-o",
+        tmp_path / "x.mcpb",
+    )
     assert bad_name.exit_code == 1
     assert bad_name.stderr.startswith("error: invalid bundle name 'Bad Name'")
-    bad_constraint = run("build", digits.onnx_path, "--name", "d", "--version", "1.0.0",
-                         "--constraint", "cpu=fast")
+    bad_constraint = run(
+        "build", digits.onnx_path, "--name", "d", "--version", "1.0.0", "--constraint", "cpu=fast"
+    )
     assert bad_constraint.exit_code == 2
     assert "unknown constraint 'cpu'" in bad_constraint.stderr
     assert not (tmp_path / "x.mcpb").exists()
@@ -199,8 +233,9 @@ def test_installed_console_script(tmp_path: Path, digits: DigitsModels) -> None:
         exe = Path(exe_found)
 
     def sh(*args: str | Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True,
-                              cwd=tmp_path, timeout=120)
+        return subprocess.run(
+            [str(exe), *map(str, args)], capture_output=True, text=True, cwd=tmp_path, timeout=120
+        )
 
     assert sh("keygen", "--out", "pub.key").returncode == 0
     built = sh("build", digits.onnx_path, "--name", "digits", "--version", "2.0.0")
@@ -209,13 +244,16 @@ def test_installed_console_script(tmp_path: Path, digits: DigitsModels) -> None:
     ok = sh("verify", "digits-2.0.0.mcpb", "--trusted-key", "pub.pub")
     assert ok.returncode == 0, ok.stderr
     bundle = tmp_path / "digits-2.0.0.mcpb"
-    assert verify_bundle(bundle, [read_public_key(tmp_path / "pub.pub")]).manifest.version == "2.0.0"
+    assert (
+        verify_bundle(bundle, [read_public_key(tmp_path / "pub.pub")]).manifest.version == "2.0.0"
+    )
 
     flip_member_byte(bundle, MODEL, tmp_path / "bad.mcpb")
     bad = sh("verify", "bad.mcpb", "--trusted-key", "pub.pub")
     assert bad.returncode == 1
-    assert bad.stderr.strip().splitlines() == [
-        bad.stderr.strip()
-    ] and f"bad.mcpb: {MODEL}: sha256 mismatch" in bad.stderr
+    assert (
+        bad.stderr.strip().splitlines() == [bad.stderr.strip()]
+        and f"bad.mcpb: {MODEL}: sha256 mismatch" in bad.stderr
+    )
     inspected = sh("inspect", "digits-2.0.0.mcpb", "--json")
     assert json.loads(inspected.stdout)["manifest"]["version"] == "2.0.0"

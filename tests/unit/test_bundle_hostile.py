@@ -12,13 +12,13 @@ import hashlib
 import json
 import tarfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import onnx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
@@ -53,9 +53,15 @@ def good(tmp_path_factory: pytest.TempPathFactory, digits: DigitsModels) -> Good
     key = PrivateKey.generate()
     sign_bundle(path, key)
     with tarfile.open(path) as tar:
-        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()]  # type: ignore[union-attr]
+        members = [(m.name, _read(tar, m)) for m in tar.getmembers()]
     assert [n for n, _ in members] == ["manifest.json", "manifest.sig", "labels.txt", MODEL]
     return Good(path, members, json.loads(members[0][1]), key)
+
+
+def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    f = tar.extractfile(member)
+    assert f is not None
+    return f.read()
 
 
 # --- writing tar bytes by hand ------------------------------------------------------------
@@ -111,8 +117,9 @@ def tiny_onnx(input_name: str) -> bytes:
     x = helper.make_tensor_value_info(input_name, TensorProto.FLOAT, [None, 64])
     y = helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, [None, 10])
     w = helper.make_tensor("w", TensorProto.FLOAT, [64, 10], [0.0] * 640)
-    graph = helper.make_graph([helper.make_node("MatMul", [input_name, "w"], ["probabilities"])],
-                              "g", [x], [y], [w])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", [input_name, "w"], ["probabilities"])], "g", [x], [y], [w]
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model.SerializeToString()
@@ -127,7 +134,7 @@ class Case:
     make: Callable[[Good], bytes]
     member: str | None
     fragment: str
-    limits: BundleLimits = BundleLimits()
+    limits: BundleLimits = field(default_factory=BundleLimits)
     model_error: bool = False
 
 
@@ -190,121 +197,295 @@ def _two_defaults(good: Good) -> bytes:
 
 
 def _labels_count_wrong(good: Good) -> bytes:
-    return tar_bytes(*regular(with_file(good, "labels.txt", b"".join(b"%d\n" % i for i in range(9)))))
+    return tar_bytes(
+        *regular(with_file(good, "labels.txt", b"".join(b"%d\n" % i for i in range(9))))
+    )
+
+
+def _file_under_a_file(good: Good) -> bytes:
+    doc = copy.deepcopy(good.manifest)
+    data = b"x"
+    doc["files"].append(
+        {"path": "labels.txt/x", "sha256": hashlib.sha256(data).hexdigest(), "size": 1}
+    )
+    members = [*signed(doc, good.key), *good.members[2:], ("labels.txt/x", data)]
+    return tar_bytes(*regular(members))
 
 
 CASES = [
-    Case("model-byte-flipped",
-         lambda g: _replace(g, MODEL, flip(dict(g.members)[MODEL], 100)), MODEL, "sha256 mismatch"),
-    Case("labels-reordered",
-         lambda g: _replace(g, "labels.txt", b"".join(b"%d\n" % (9 - i) for i in range(10))),
-         "labels.txt", "sha256 mismatch"),
-    Case("labels-shortened", lambda g: _replace(g, "labels.txt", b"a\nb\n"), "labels.txt",
-         "header says 4 bytes but the manifest lists 20"),
-    Case("manifest-value-changed",
-         lambda g: _replace(g, "manifest.json",
-                            _manifest_text(g).replace(b'"version":"1.0.0"', b'"version":"9.0.0"')),
-         "manifest.json", "does not match the manifest"),
-    Case("manifest-reformatted",
-         lambda g: _replace(g, "manifest.json", json.dumps(g.manifest, indent=1).encode()),
-         "manifest.json", "canonical form"),
-    Case("manifest-duplicate-key",
-         lambda g: _replace(g, "manifest.json", b'{"name":"a","name":"b"}\n'),
-         "manifest.json", "duplicate key"),
+    Case(
+        "model-byte-flipped",
+        lambda g: _replace(g, MODEL, flip(dict(g.members)[MODEL], 100)),
+        MODEL,
+        "sha256 mismatch",
+    ),
+    Case(
+        "labels-reordered",
+        lambda g: _replace(g, "labels.txt", b"".join(b"%d\n" % (9 - i) for i in range(10))),
+        "labels.txt",
+        "sha256 mismatch",
+    ),
+    Case(
+        "labels-shortened",
+        lambda g: _replace(g, "labels.txt", b"a\nb\n"),
+        "labels.txt",
+        "header says 4 bytes but the manifest lists 20",
+    ),
+    Case(
+        "manifest-value-changed",
+        lambda g: _replace(
+            g,
+            "manifest.json",
+            _manifest_text(g).replace(b'"version":"1.0.0"', b'"version":"9.0.0"'),
+        ),
+        "manifest.json",
+        "does not match the manifest",
+    ),
+    Case(
+        "manifest-reformatted",
+        lambda g: _replace(g, "manifest.json", json.dumps(g.manifest, indent=1).encode()),
+        "manifest.json",
+        "canonical form",
+    ),
+    Case(
+        "manifest-duplicate-key",
+        lambda g: _replace(g, "manifest.json", b'{"name":"a","name":"b"}\n'),
+        "manifest.json",
+        "duplicate key",
+    ),
     Case("manifest-schema-broken", _two_defaults, "manifest.json", "invalid manifest"),
-    Case("unsigned", lambda g: tar_bytes(*regular([g.members[0], *g.members[2:]])),
-         "manifest.sig", "not signed"),
-    Case("unknown-signer",
-         lambda g: tar_bytes(*regular(signed(g.manifest, PrivateKey.generate()) + g.members[2:])),
-         "manifest.sig", "not among the trusted keys"),
-    Case("signature-of-another-manifest", _other_manifest_signature, "manifest.json",
-         "does not match the manifest"),
-    Case("malformed-signature",
-         lambda g: _replace(g, "manifest.sig", b'{"keyid": "zz", "sig": "00"}'),
-         "manifest.sig", "malformed signature"),
-    Case("dotdot", lambda g: _insert(g, entry("../escape", b"pwned")), "../escape",
-         "path traversal"),
-    Case("dotdot-inside", lambda g: _insert(g, entry("models/../../escape", b"pwned")),
-         "models/../../escape", "path traversal"),
-    Case("absolute", lambda g: _insert(g, entry(ABSOLUTE_TARGET, b"pwned")), ABSOLUTE_TARGET,
-         "absolute member path"),
-    Case("dot-slash", lambda g: _insert(g, entry("./escape", b"pwned")), "./escape",
-         "'.' component"),
-    Case("double-slash", lambda g: _insert(g, entry("models//escape", b"x")), "models//escape",
-         "empty or '.' component"),
-    Case("backslash", lambda g: _insert(g, entry("..\\escape", b"pwned")), "..\\escape",
-         "backslash"),
-    Case("hidden-file", lambda g: _insert(g, entry(".escape", b"x")), ".escape",
-         "is not [A-Za-z0-9._-]"),
-    Case("symlink",
-         lambda g: _insert(g, entry("escape", kind=tarfile.SYMTYPE, linkname="/etc/passwd")),
-         "escape", "symbolic link members are not allowed"),
-    Case("symlink-over-listed-file",
-         lambda g: tar_bytes(*regular(g.members[:3]),
-                             entry(MODEL, kind=tarfile.SYMTYPE, linkname="/etc/passwd")),
-         MODEL, "symbolic link members are not allowed"),
-    Case("hard-link",
-         lambda g: _insert(g, entry("escape", kind=tarfile.LNKTYPE, linkname="labels.txt")),
-         "escape", "hard link members are not allowed"),
-    Case("char-device", lambda g: _insert(g, entry("escape", kind=tarfile.CHRTYPE)), "escape",
-         "character device members are not allowed"),
-    Case("block-device", lambda g: _insert(g, entry("escape", kind=tarfile.BLKTYPE)), "escape",
-         "block device members are not allowed"),
-    Case("fifo", lambda g: _insert(g, entry("escape", kind=tarfile.FIFOTYPE)), "escape",
-         "FIFO members are not allowed"),
-    Case("directory", lambda g: _insert(g, entry("models/", kind=tarfile.DIRTYPE), at=3),
-         "models/", "directory members are not allowed"),
-    Case("contiguous", lambda g: _insert(g, entry("escape", b"x", kind=tarfile.CONTTYPE)),
-         "escape", "contiguous file members are not allowed"),
-    Case("unknown-type", lambda g: _insert(g, entry("escape", b"x", kind=b"Z")), "escape",
-         "unknown member type"),
-    Case("pax-header",
-         lambda g: _insert(g, entry("modèle", b"x", fmt=tarfile.PAX_FORMAT)), "././@PaxHeader",
-         "pax extended header members are not allowed"),
-    Case("gnu-format", lambda g: _insert(g, entry("escape", b"x", fmt=tarfile.GNU_FORMAT)),
-         "escape", "not a POSIX ustar header"),
-    Case("non-ascii-name", lambda g: _insert(g, entry("modèle", b"x")), "modèle",
-         "not ASCII"),
-    Case("duplicate", lambda g: _insert(g, entry(MODEL, dict(g.members)[MODEL])), MODEL,
-         "duplicate member"),
-    Case("duplicate-by-case", lambda g: _insert(g, entry("LABELS.txt", b"0\n")), "LABELS.txt",
-         "duplicate member"),
-    Case("duplicate-manifest", lambda g: _insert(g, entry("manifest.json", _manifest_text(g))),
-         "manifest.json", "duplicate member"),
-    Case("signature-not-at-start",
-         lambda g: tar_bytes(*regular([g.members[0], *g.members[2:], g.members[1]])),
-         "manifest.sig", "not signed"),
-    Case("manifest-not-first",
-         lambda g: tar_bytes(*regular([g.members[2], g.members[0], g.members[1], g.members[3]])),
-         "labels.txt", "first member must be manifest.json"),
-    Case("unlisted-file", lambda g: _insert(g, entry("extra.txt", b"surprise")), "extra.txt",
-         "not listed in the manifest"),
-    Case("listed-file-missing", lambda g: tar_bytes(*regular(g.members[:2] + g.members[3:])),
-         "labels.txt", "missing from the bundle"),
-    Case("manifest-over-cap", lambda g: g.path.read_bytes(), "manifest.json", "over the cap",
-         BundleLimits(max_manifest_bytes=256)),
+    Case(
+        "unsigned",
+        lambda g: tar_bytes(*regular([g.members[0], *g.members[2:]])),
+        "manifest.sig",
+        "not signed",
+    ),
+    Case(
+        "unknown-signer",
+        lambda g: tar_bytes(*regular(signed(g.manifest, PrivateKey.generate()) + g.members[2:])),
+        "manifest.sig",
+        "not among the trusted keys",
+    ),
+    Case(
+        "signature-of-another-manifest",
+        _other_manifest_signature,
+        "manifest.json",
+        "does not match the manifest",
+    ),
+    Case(
+        "malformed-signature",
+        lambda g: _replace(g, "manifest.sig", b'{"keyid": "zz", "sig": "00"}'),
+        "manifest.sig",
+        "malformed signature",
+    ),
+    Case(
+        "dotdot", lambda g: _insert(g, entry("../escape", b"pwned")), "../escape", "path traversal"
+    ),
+    Case(
+        "dotdot-inside",
+        lambda g: _insert(g, entry("models/../../escape", b"pwned")),
+        "models/../../escape",
+        "path traversal",
+    ),
+    Case(
+        "absolute",
+        lambda g: _insert(g, entry(ABSOLUTE_TARGET, b"pwned")),
+        ABSOLUTE_TARGET,
+        "absolute member path",
+    ),
+    Case(
+        "dot-slash", lambda g: _insert(g, entry("./escape", b"pwned")), "./escape", "'.' component"
+    ),
+    Case(
+        "double-slash",
+        lambda g: _insert(g, entry("models//escape", b"x")),
+        "models//escape",
+        "empty or '.' component",
+    ),
+    Case(
+        "backslash", lambda g: _insert(g, entry("..\\escape", b"pwned")), "..\\escape", "backslash"
+    ),
+    Case(
+        "hidden-file",
+        lambda g: _insert(g, entry(".escape", b"x")),
+        ".escape",
+        "is not [A-Za-z0-9._-]",
+    ),
+    Case(
+        "symlink",
+        lambda g: _insert(g, entry("escape", kind=tarfile.SYMTYPE, linkname="/etc/passwd")),
+        "escape",
+        "symbolic link members are not allowed",
+    ),
+    Case(
+        "symlink-over-listed-file",
+        lambda g: tar_bytes(
+            *regular(g.members[:3]), entry(MODEL, kind=tarfile.SYMTYPE, linkname="/etc/passwd")
+        ),
+        MODEL,
+        "symbolic link members are not allowed",
+    ),
+    Case(
+        "hard-link",
+        lambda g: _insert(g, entry("escape", kind=tarfile.LNKTYPE, linkname="labels.txt")),
+        "escape",
+        "hard link members are not allowed",
+    ),
+    Case(
+        "char-device",
+        lambda g: _insert(g, entry("escape", kind=tarfile.CHRTYPE)),
+        "escape",
+        "character device members are not allowed",
+    ),
+    Case(
+        "block-device",
+        lambda g: _insert(g, entry("escape", kind=tarfile.BLKTYPE)),
+        "escape",
+        "block device members are not allowed",
+    ),
+    Case(
+        "fifo",
+        lambda g: _insert(g, entry("escape", kind=tarfile.FIFOTYPE)),
+        "escape",
+        "FIFO members are not allowed",
+    ),
+    Case(
+        "directory",
+        lambda g: _insert(g, entry("models/", kind=tarfile.DIRTYPE), at=3),
+        "models/",
+        "directory members are not allowed",
+    ),
+    Case(
+        "contiguous",
+        lambda g: _insert(g, entry("escape", b"x", kind=tarfile.CONTTYPE)),
+        "escape",
+        "contiguous file members are not allowed",
+    ),
+    Case(
+        "unknown-type",
+        lambda g: _insert(g, entry("escape", b"x", kind=b"Z")),
+        "escape",
+        "unknown member type",
+    ),
+    Case(
+        "pax-header",
+        lambda g: _insert(g, entry("modèle", b"x", fmt=tarfile.PAX_FORMAT)),
+        "././@PaxHeader",
+        "pax extended header members are not allowed",
+    ),
+    Case(
+        "gnu-format",
+        lambda g: _insert(g, entry("escape", b"x", fmt=tarfile.GNU_FORMAT)),
+        "escape",
+        "not a POSIX ustar header",
+    ),
+    Case("non-ascii-name", lambda g: _insert(g, entry("modèle", b"x")), "modèle", "not ASCII"),
+    Case(
+        "duplicate",
+        lambda g: _insert(g, entry(MODEL, dict(g.members)[MODEL])),
+        MODEL,
+        "duplicate member",
+    ),
+    Case(
+        "duplicate-by-case",
+        lambda g: _insert(g, entry("LABELS.txt", b"0\n")),
+        "LABELS.txt",
+        "duplicate member",
+    ),
+    Case(
+        "duplicate-manifest",
+        lambda g: _insert(g, entry("manifest.json", _manifest_text(g))),
+        "manifest.json",
+        "duplicate member",
+    ),
+    Case(
+        "signature-not-at-start",
+        lambda g: tar_bytes(*regular([g.members[0], *g.members[2:], g.members[1]])),
+        "manifest.sig",
+        "not signed",
+    ),
+    Case(
+        "manifest-not-first",
+        lambda g: tar_bytes(*regular([g.members[2], g.members[0], g.members[1], g.members[3]])),
+        "labels.txt",
+        "first member must be manifest.json",
+    ),
+    Case(
+        "unlisted-file",
+        lambda g: _insert(g, entry("extra.txt", b"surprise")),
+        "extra.txt",
+        "not listed in the manifest",
+    ),
+    Case(
+        "listed-file-missing",
+        lambda g: tar_bytes(*regular(g.members[:2] + g.members[3:])),
+        "labels.txt",
+        "missing from the bundle",
+    ),
+    Case(
+        "manifest-over-cap",
+        lambda g: g.path.read_bytes(),
+        "manifest.json",
+        "over the cap",
+        BundleLimits(max_manifest_bytes=256),
+    ),
     Case("manifest-header-lies", _lying_manifest_header, "manifest.json", "over the cap"),
     Case("signature-over-cap", _big_signature, "manifest.sig", "over the cap"),
-    Case("member-over-cap", lambda g: g.path.read_bytes(), MODEL, "over the member cap",
-         BundleLimits(max_member_bytes=1024)),
+    Case(
+        "member-over-cap",
+        lambda g: g.path.read_bytes(),
+        MODEL,
+        "over the member cap",
+        BundleLimits(max_member_bytes=1024),
+    ),
     Case("member-header-lies", _lying_member_header, MODEL, "header says"),
-    Case("too-many-members", lambda g: g.path.read_bytes(), "manifest.json", "at most 1 are",
-         BundleLimits(max_members=3)),
-    Case("bundle-over-cap", lambda g: g.path.read_bytes(), None, "over the bundle cap",
-         BundleLimits(max_bundle_bytes=4096)),
-    Case("truncated-in-manifest", lambda g: g.path.read_bytes()[:700], "manifest.json",
-         "truncated"),
-    Case("truncated-in-model",
-         lambda g: tar_bytes(*regular(g.members))[: -1024 - 3000], MODEL, "truncated"),
-    Case("truncated-before-end-marker", lambda g: tar_bytes(*regular(g.members), end=False),
-         None, "truncated"),
+    Case(
+        "too-many-members",
+        lambda g: g.path.read_bytes(),
+        "manifest.json",
+        "at most 1 are",
+        BundleLimits(max_members=3),
+    ),
+    Case(
+        "bundle-over-cap",
+        lambda g: g.path.read_bytes(),
+        None,
+        "over the bundle cap",
+        BundleLimits(max_bundle_bytes=4096),
+    ),
+    Case(
+        "truncated-in-manifest", lambda g: g.path.read_bytes()[:700], "manifest.json", "truncated"
+    ),
+    Case(
+        "truncated-in-model",
+        lambda g: tar_bytes(*regular(g.members))[: -1024 - 3000],
+        MODEL,
+        "truncated",
+    ),
+    Case(
+        "truncated-before-end-marker",
+        lambda g: tar_bytes(*regular(g.members), end=False),
+        None,
+        "truncated",
+    ),
     Case("empty-file", lambda g: b"", None, "truncated"),
     Case("bad-header-checksum", _bad_checksum, "labels.txt", "bad checksum"),
-    Case("data-after-end", lambda g: tar_bytes(*regular(g.members)) + b"trailing junk",
-         None, "data after the end-of-archive marker"),
+    Case(
+        "data-after-end",
+        lambda g: tar_bytes(*regular(g.members)) + b"trailing junk",
+        None,
+        "data after the end-of-archive marker",
+    ),
     Case("corrupt-model", _corrupt_model, MODEL, "ONNX", model_error=True),
     Case("model-io-differs", _model_io_differs, MODEL, "differ from those the manifest records"),
     Case("labels-count-wrong", _labels_count_wrong, "labels.txt", "holds 9 labels"),
+    Case(
+        "labels-not-utf8",
+        lambda g: tar_bytes(*regular(with_file(g, "labels.txt", b"\xff\xfe\n" * 10))),
+        "labels.txt",
+        "labels file unusable",
+    ),
+    Case("file-under-a-file", _file_under_a_file, "manifest.json", "as a directory"),
 ]
 
 
@@ -377,20 +558,15 @@ def test_unsigned_is_accepted_only_when_allowed(tmp_path: Path, good: Good) -> N
     assert info.value.member == "manifest.sig"
 
 
-_flip_dir: dict[str, Path] = {}
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None)
 @given(data=st.data())
-def test_flipping_any_manifest_or_model_byte_is_caught(
-    tmp_path_factory: pytest.TempPathFactory, good: Good, data: st.DataObject
-) -> None:
+def test_flipping_any_manifest_or_model_byte_is_caught(good: Good, data: st.DataObject) -> None:
     target = data.draw(st.sampled_from(["manifest.json", MODEL]), label="member")
     content = dict(good.members)[target]
     index = data.draw(st.integers(0, len(content) - 1), label="index")
     bit = data.draw(st.integers(0, 7), label="bit")
     changed = content[:index] + bytes([content[index] ^ (1 << bit)]) + content[index + 1 :]
-    bundle = _flip_dir.setdefault("d", tmp_path_factory.mktemp("flips")) / "flipped.mcpb"
+    bundle = good.path.with_name("flipped.mcpb")
     bundle.write_bytes(_replace(good, target, changed))
 
     with pytest.raises(BundleError) as info:
