@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from agent import __version__
+from agent.serve import serve_command
 from shared.profiles import HardwareProfile, load_profiles
 
 
@@ -187,10 +188,4 @@ def _render_backends(report: dict[str, Any]) -> list[str]:
 
 
 
-def _register_serve() -> None:
-    from agent.serve import serve_command
-
-    main.add_command(serve_command)
-
-
-_register_serve()
+main.add_command(serve_command)

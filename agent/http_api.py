@@ -217,7 +217,7 @@ class Handlers:
         if request.content_length is not None and request.content_length > self.max_body:
             raise ApiError(
                 ErrorCode.TOO_LARGE,
-                f"request body of {request.content_length} bytes exceeds {self.max_body}",
+                f"request body too large: {request.content_length} bytes, limit {self.max_body}",
             )
         body = await request.read()
         self.metrics.payload_bytes.labels(protocol).observe(len(body))

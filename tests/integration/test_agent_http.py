@@ -169,8 +169,7 @@ async def test_hot_swap_under_load_drops_nothing_and_switches_versions(
                 versions.append(int((await resp.json())["model_version"]))
 
     clients = [asyncio.create_task(client_loop()) for _ in range(8)]
-    while len(versions) < 5:  # traffic is flowing on version 1
-        await asyncio.sleep(0.01)
+    await until(lambda: len(versions) >= 5)  # traffic is flowing on version 1
     for i in range(10):
         src = other.onnx_path if i % 2 == 0 else digits.onnx_path
         tmp = models / ".incoming"
@@ -180,8 +179,7 @@ async def test_hot_swap_under_load_drops_nothing_and_switches_versions(
         await watcher.poll()  # unchanged since: loads it
         assert manager.get("digits").version == str(i + 2)
         n = len(versions)
-        while len(versions) < n + 5:  # let traffic run on the new version
-            await asyncio.sleep(0.01)
+        await until(lambda n=n: len(versions) >= n + 5)  # traffic runs on the new version
     stop.set()
     await asyncio.gather(*clients)
     await manager.drain_retired()
@@ -288,16 +286,20 @@ async def test_overload_gets_429_and_deadline_gets_504(tmp_path: Path, serve: An
     runner.gate.clear()
     runner.entered.clear()
     body = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}
-    flood = [asyncio.create_task(client.post("/v2/models/fake/infer", json=body)) for _ in range(40)]
-    await asyncio.to_thread(runner.entered.wait, 10)
-    while manager.get("fake").batcher.queue_depth < 4:
-        await asyncio.sleep(0.005)
-    late = await client.post("/v2/models/fake/infer", json=body, headers={"X-Timeout-Ms": "50"})
-    assert late.status == 429 and int(late.headers["Retry-After"]) >= 1
+    batcher = manager.get("fake").batcher
+    post = lambda: asyncio.create_task(client.post("/v2/models/fake/infer", json=body))  # noqa: E731
+    accepted = [post()]
+    await asyncio.to_thread(runner.entered.wait, 10)  # one request holds the only instance
+    for depth in range(1, 5):
+        accepted.append(post())
+        await until(lambda d=depth: batcher.queue_depth == d)
+    flood = [post() for _ in range(30)]
+    rejected = await asyncio.gather(*flood)
+    assert {r.status for r in rejected} == {429}
+    assert all(int(r.headers["Retry-After"]) >= 1 for r in rejected)
+    assert (await rejected[0].json())["code"] == "overloaded"
     runner.gate.set()
-    statuses = [r.status for r in await asyncio.gather(*flood)]
-    assert statuses.count(200) >= 5 and set(statuses) <= {200, 429}
-    assert 429 in statuses
+    assert [r.status for r in await asyncio.gather(*accepted)] == [200] * 5
     # A request that waits past its deadline gets 504.
     runner.gate.clear()
     blocked = asyncio.create_task(client.post("/v2/models/fake/infer", json=body))
@@ -331,7 +333,7 @@ async def test_bad_requests_get_4xx_with_a_reason(
     digits: DigitsModels, tmp_path: Path, serve: Any,
     path: str, payload: bytes, headers: dict[str, str], status: int, reason: str,
 ) -> None:
-    client, *_ = await serve(digits.onnx_path.parent if False else _single(tmp_path, digits),
+    client, *_ = await serve(_single(tmp_path, digits),
                              max_body=1024 * 1024)
     resp = await client.post(path, data=payload, headers={"Content-Type": "application/json", **headers})
     assert resp.status == status
@@ -340,6 +342,14 @@ async def test_bad_requests_get_4xx_with_a_reason(
     # The server keeps serving after a bad request.
     ok = await client.post("/v2/models/digits/infer", json=v2_body(digits.X_test[:1]))
     assert ok.status == 200
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait for ``condition`` to hold (polling the event loop), failing after ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.002)
 
 
 def _single(tmp_path: Path, digits: DigitsModels) -> Path:
