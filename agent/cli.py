@@ -189,3 +189,7 @@ def _render_backends(report: dict[str, Any]) -> list[str]:
 
 
 main.add_command(serve_command)
+
+
+if __name__ == "__main__":
+    main()

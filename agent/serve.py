@@ -27,6 +27,29 @@ log = logging.getLogger("mcp.agent")
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """A second version of a served model: a weighted canary or a shadow."""
+
+    role: str
+    path: Path
+    weight: float = 0.0
+
+
+def parse_canary(text: str) -> Candidate:
+    """``FILE[:WEIGHT]`` (weight 0..1, default 0.1) → a canary candidate. Raises ValueError."""
+    path, _, weight = text.rpartition(":") if ":" in text else (text, "", "")
+    try:
+        w = float(weight) if weight else 0.1
+    except ValueError:
+        raise ValueError(f"--canary {text!r}: weight must be a number from 0 to 1") from None
+    if not 0.0 <= w <= 1.0:
+        raise ValueError(f"--canary {text!r}: weight must be from 0 to 1")
+    if not Path(path).is_file():
+        raise ValueError(f"--canary {text!r}: {path} is not a file")
+    return Candidate("canary", Path(path), w)
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """Everything ``serve`` needs, parsed once from flags."""
 
@@ -45,6 +68,8 @@ class ServeConfig:
     state_dir: Path = field(default_factory=lambda: default_state_dir())
     max_body: int = DEFAULT_MAX_BODY
     access_log: bool = False
+    candidates: tuple[Candidate, ...] = ()
+    canary_max_error_rate: float = 0.05
 
 
 def default_state_dir() -> Path:
@@ -104,6 +129,12 @@ async def run_server(config: ServeConfig, *, ready: asyncio.Event | None = None)
     )
     repo.reset_bundle_dir()
     known = await repo.load_all(manager)
+    for cand in config.candidates:
+        source = repo.source_for(cand.path)
+        await manager.load(
+            source, role=cand.role, canary_weight=cand.weight,
+            max_error_rate=config.canary_max_error_rate,
+        )
     watcher = None
     if config.watch_interval_s:
         watcher = RepositoryWatcher(repo, manager, known, interval_s=config.watch_interval_s)
@@ -170,6 +201,13 @@ def _install_event_loop() -> None:
               help="Backend or provider to try first (cpu, cuda, tensorrt, coreml, openvino, xnnpack).")
 @click.option("--trust-key", "trust_keys", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="Publisher public key; when given, bundles must be signed by one of them.")
+@click.option("--canary", "canaries", multiple=True, metavar="FILE[:WEIGHT]",
+              help="Serve FILE as a canary of the model it names, for WEIGHT of traffic (0.1).")
+@click.option("--shadow", "shadows", multiple=True, metavar="FILE",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Run FILE in shadow beside the model it names; only stable answers.")
+@click.option("--canary-max-error-rate", default=0.05, show_default=True,
+              type=click.FloatRange(0, 1), help="Canary error rate that takes it out of rotation.")
 @click.option("--watch-interval", default=1.0, show_default=True, type=click.FloatRange(0, 3600),
               help="Seconds between checks for replaced model files (0: no hot reload).")
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -182,6 +220,7 @@ def serve_command(
     model_path: Path, host: str, port: int, workers: int, threads: int | None,
     max_batch_size: int, max_queue_delay_ms: float, max_queue: int, timeout_ms: float,
     no_batching: bool, profile: str | None, backend: str | None, trust_keys: tuple[Path, ...],
+    canaries: tuple[str, ...], shadows: tuple[Path, ...], canary_max_error_rate: float,
     watch_interval: float, state_dir: Path | None, max_body_mb: int, access_log: bool,
     log_level: str,
 ) -> None:
@@ -191,6 +230,7 @@ def serve_command(
     Examples:
       mcp-agent serve --model-path digits.onnx --port 8080
       mcp-agent serve --model-path models/ --workers 2 --trust-key publisher.pub
+      mcp-agent serve --model-path digits.onnx --canary next/digits.onnx:0.2
       curl localhost:8080/v2/models/digits
     """
     logging.basicConfig(
@@ -198,8 +238,10 @@ def serve_command(
     )
     try:
         keys = tuple(read_public_key(p) for p in trust_keys)
-    except McpError as e:
+        candidates = tuple(parse_canary(c) for c in canaries)
+    except (McpError, ValueError) as e:
         raise click.ClickException(str(e)) from e
+    candidates += tuple(Candidate("shadow", p) for p in shadows)
     config = ServeConfig(
         model_path=model_path, host=host, port=port, workers=workers, threads=threads,
         batching=BatchingConfig(
@@ -212,6 +254,7 @@ def serve_command(
         watch_interval_s=watch_interval or None,
         state_dir=state_dir or default_state_dir(),
         max_body=max_body_mb * 1024 * 1024, access_log=access_log,
+        candidates=candidates, canary_max_error_rate=canary_max_error_rate,
     )
     _install_event_loop()
     try:
