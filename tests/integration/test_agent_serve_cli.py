@@ -149,3 +149,14 @@ def test_serve_refuses_bad_arguments_with_a_clear_message(
     )
     assert result.returncode != 0
     assert message in result.stderr.lower()
+
+
+def test_quickstart_script_serves_the_demo_model(tmp_path: Path) -> None:
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "MCP_VENV": sys.prefix, "PORT": str(_free_port()),
+           "MCP_QUICKSTART_DIR": str(tmp_path / "qs")}
+    result = subprocess.run(["bash", "deploy/quickstart.sh", "--smoke"], cwd=repo, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    expected = result.stdout.split("expected answers for sample.json: ")[1].splitlines()[0]
+    assert f"quickstart: digits answered {expected}" in result.stdout
