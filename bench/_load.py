@@ -162,8 +162,10 @@ class _Run:
         import psutil
 
         total = psutil.cpu_times()
-        busy = sum(total) - total.idle - getattr(total, "iowait", 0.0)
-        sample = {"machine_busy_s": busy, "client_s": time.process_time()}
+        # guest time is already inside user; steal is time the hypervisor gave to others.
+        busy = sum(getattr(total, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq"))
+        sample = {"machine_busy_s": busy, "client_s": time.process_time(),
+                  "steal_s": getattr(total, "steal", 0.0)}
         if self._server is not None:
             t = self._server.cpu_times()
             sample["server_s"] = t.user + t.system
