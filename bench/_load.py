@@ -112,17 +112,32 @@ def run_client(
 ) -> dict[str, Any]:
     """Run the client in its own process and return its JSON report."""
     cmd = [
-        sys.executable, str(Path(__file__).resolve()), "client",
-        "--port", str(port), "--path", path, "--body-file", str(body_file),
-        "--concurrency", str(concurrency), "--warmup-s", str(warmup_s),
-        "--duration-s", str(duration_s), "--max-requests", str(max_requests),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "client",
+        "--port",
+        str(port),
+        "--path",
+        path,
+        "--body-file",
+        str(body_file),
+        "--concurrency",
+        str(concurrency),
+        "--warmup-s",
+        str(warmup_s),
+        "--duration-s",
+        str(duration_s),
+        "--max-requests",
+        str(max_requests),
     ]
     if server_pid is not None:
         cmd += ["--server-pid", str(server_pid)]
     limit = warmup_s + duration_s + _CONNECT_TIMEOUT_S + _DRAIN_TIMEOUT_S + 30
     done = subprocess.run(cmd, capture_output=True, timeout=limit, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"load client failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
+        raise RuntimeError(
+            f"load client failed ({done.returncode}): {done.stderr.decode()[-2000:]}"
+        )
     return dict(json.loads(done.stdout))
 
 
@@ -164,11 +179,19 @@ class _Run:
         total = psutil.cpu_times()
         # guest time is already inside user; steal is time the hypervisor gave to others.
         busy = sum(getattr(total, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq"))
-        sample = {"machine_busy_s": busy, "client_s": time.process_time(),
-                  "steal_s": getattr(total, "steal", 0.0)}
+        sample = {
+            "machine_busy_s": busy,
+            "client_s": time.process_time(),
+            "steal_s": getattr(total, "steal", 0.0),
+        }
         if self._server is not None:
             t = self._server.cpu_times()
             sample["server_s"] = t.user + t.system
+            # The event loop runs on the main thread (thread id == pid); the rest is worker
+            # and backend threads (executor, onnxruntime's intra-op pool).
+            main = [x for x in self._server.threads() if x.id == self._server.pid]
+            if main:
+                sample["server_main_thread_s"] = main[0].user_time + main[0].system_time
         return sample
 
     def begin_measuring(self) -> None:
@@ -311,23 +334,38 @@ async def _client_main(args: argparse.Namespace) -> dict[str, Any]:
         cpu["machine_busy_fraction"] = round(
             run.cpu["machine_busy_s"] / max(1e-9, seconds * (os.cpu_count() or 1)), 3
         )
+        cpu["other_cores"] = round(cpu["other_s"] / max(1e-9, seconds), 3)
+        cpu["steal_cores"] = round(run.cpu["steal_s"] / max(1e-9, seconds), 3)
         if n:
             cpu["client_us_per_request"] = round(run.cpu["client_s"] / n * 1e6, 1)
             if "server_s" in run.cpu:
                 cpu["server_us_per_request"] = round(server / n * 1e6, 1)
+            if "server_main_thread_s" in run.cpu:
+                cpu["server_main_thread_us_per_request"] = round(
+                    run.cpu["server_main_thread_s"] / n * 1e6, 1
+                )
         report["cpu"] = cpu
+        # Someone else's work on the box (other processes, or the hypervisor taking the
+        # vCPUs: steal) makes this run's numbers suspect; the caller may rerun.
+        report["disturbed"] = cpu["other_cores"] > 0.3 or cpu["steal_cores"] > 0.15
     return report
 
 
 # ---------------------------------------------------------------------------- null server
-_NULL_ANSWER = json.dumps({
-    "model_name": "null",
-    "model_version": "1",
-    "outputs": [{
-        "name": "probabilities", "datatype": "FP32", "shape": [1, 10],
-        "data": [0.1] * 10,
-    }],
-}).encode()
+_NULL_ANSWER = json.dumps(
+    {
+        "model_name": "null",
+        "model_version": "1",
+        "outputs": [
+            {
+                "name": "probabilities",
+                "datatype": "FP32",
+                "shape": [1, 10],
+                "data": [0.1] * 10,
+            }
+        ],
+    }
+).encode()
 
 
 async def _null_main(port: int) -> None:

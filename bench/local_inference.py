@@ -42,7 +42,6 @@ for _p in (str(BENCH_DIR), str(REPO_ROOT)):
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
 import psutil  # noqa: E402
-
 from _load import (  # noqa: E402
     free_port,
     http_request,
@@ -70,6 +69,8 @@ class Plan:
     ort_calls: int
     ort_max_s: float
     null_repeats: int
+    quiet_wait_s: float
+    diagnostics: bool
 
     def client(self) -> dict[str, Any]:
         return {
@@ -81,14 +82,17 @@ class Plan:
             ),
             "wrk_found": _which("wrk") is not None,
             "processes": 1,
-            "c1": {"warmup_s": self.c1_warmup_s, "requests": self.c1_requests,
-                   "max_s": self.c1_max_s},
+            "c1": {
+                "warmup_s": self.c1_warmup_s,
+                "requests": self.c1_requests,
+                "max_s": self.c1_max_s,
+            },
             "c64": {"warmup_s": self.c64_warmup_s, "duration_s": self.c64_s},
         }
 
 
-FULL = Plan("full", 1.0, 5000, 5.0, 1.5, 5.0, 20000, 2.0, 2)
-QUICK = Plan("quick", 0.3, 800, 1.5, 0.5, 1.5, 3000, 0.5, 1)
+FULL = Plan("full", 1.0, 5000, 5.0, 1.5, 5.0, 20000, 2.0, 2, 15.0, True)
+QUICK = Plan("quick", 0.3, 800, 1.5, 0.5, 1.5, 3000, 0.5, 1, 3.0, False)
 
 
 def _which(name: str) -> str | None:
@@ -171,6 +175,18 @@ def bench_session_run(model: BenchModel, settings: dict[str, Any], plan: Plan) -
 
 
 # ---------------------------------------------------------------------------- servers
+QUIET_BUSY_PERCENT = 15.0
+
+
+def wait_quiet(max_s: float) -> dict[str, float]:
+    """Wait (at most ``max_s``) until the machine is under 15 % busy over half a second."""
+    t0 = time.monotonic()
+    busy = psutil.cpu_percent(interval=0.5)
+    while busy > QUIET_BUSY_PERCENT and time.monotonic() - t0 < max_s:
+        busy = psutil.cpu_percent(interval=0.5)
+    return {"waited_s": round(time.monotonic() - t0, 1), "busy_percent": busy}
+
+
 def _tail(path: Path, n: int = 2000) -> str:
     with contextlib.suppress(OSError):
         return path.read_text(errors="replace")[-n:]
@@ -185,7 +201,9 @@ class Servers:
         self.live: list[subprocess.Popen[bytes]] = []
 
     @contextlib.contextmanager
-    def start(self, label: str, cmd: list[str], port: int) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
+    def start(
+        self, label: str, cmd: list[str], port: int
+    ) -> Iterator[tuple[subprocess.Popen[bytes], float]]:
         log = self.workdir / f"{label}.log"
         with open(log, "wb") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
@@ -208,18 +226,30 @@ class Servers:
 
 def _loads(port: int, path: str, body_file: Path, pid: int, plan: Plan) -> dict[str, Any]:
     c1 = run_client(
-        port=port, path=path, body_file=body_file, concurrency=1, warmup_s=plan.c1_warmup_s,
-        duration_s=plan.c1_max_s, max_requests=plan.c1_requests, server_pid=pid,
+        port=port,
+        path=path,
+        body_file=body_file,
+        concurrency=1,
+        warmup_s=plan.c1_warmup_s,
+        duration_s=plan.c1_max_s,
+        max_requests=plan.c1_requests,
+        server_pid=pid,
     )
     c64 = run_client(
-        port=port, path=path, body_file=body_file, concurrency=64, warmup_s=plan.c64_warmup_s,
-        duration_s=plan.c64_s, max_requests=10_000_000, server_pid=pid,
+        port=port,
+        path=path,
+        body_file=body_file,
+        concurrency=64,
+        warmup_s=plan.c64_warmup_s,
+        duration_s=plan.c64_s,
+        max_requests=10_000_000,
+        server_pid=pid,
     )
     return {"c1": c1, "c64": c64}
 
 
 def _rss_mib(pid: int) -> float:
-    return round(psutil.Process(pid).memory_info().rss / MIB, 1)
+    return round(float(psutil.Process(pid).memory_info().rss) / MIB, 1)
 
 
 def _batch_counters(port: int, model: str) -> dict[str, float]:
@@ -235,7 +265,9 @@ def _batch_counters(port: int, model: str) -> dict[str, float]:
     return found
 
 
-def _check_agent_answer(port: int, model: BenchModel, body: bytes, expected: np.ndarray) -> dict[str, Any]:
+def _check_agent_answer(
+    port: int, model: BenchModel, body: bytes, expected: np.ndarray
+) -> dict[str, Any]:
     status, raw = http_request(port, f"/v2/models/{model.name}/infer", body)
     if status != 200:
         return {"status": status, "outputs_match_onnxruntime": False, "body": raw[:300].decode()}
@@ -248,8 +280,10 @@ def _check_agent_answer(port: int, model: BenchModel, body: bytes, expected: np.
     }
 
 
-def bench_null(servers: Servers, models: list[BenchModel], bodies: dict[str, Path], plan: Plan,
-               repeat: int) -> dict[str, Any]:
+def bench_null(
+    servers: Servers, models: list[BenchModel], bodies: dict[str, Path], plan: Plan, repeat: int
+) -> dict[str, Any]:
+    quiet = wait_quiet(plan.quiet_wait_s)
     port = free_port()
     cmd = [sys.executable, str(BENCH_DIR / "_load.py"), "null-server", "--port", str(port)]
     with servers.start(f"null-{repeat}", cmd, port) as (proc, startup):
@@ -257,40 +291,80 @@ def bench_null(servers: Servers, models: list[BenchModel], bodies: dict[str, Pat
             m.name: _loads(port, f"/v2/models/{m.name}/infer", bodies[m.name], proc.pid, plan)
             for m in models
         }
-        return {"command": "python bench/_load.py null-server --port P", "startup_s": round(startup, 2),
-                "rss_mib": _rss_mib(proc.pid), "runs": runs}
+        return {
+            "command": "python bench/_load.py null-server --port P",
+            "startup_s": round(startup, 2),
+            "quiet_before": quiet,
+            "rss_mib": _rss_mib(proc.pid),
+            "runs": runs,
+        }
 
 
-def bench_agent(servers: Servers, model: BenchModel, body_file: Path, expected: np.ndarray,
-                batching: bool, plan: Plan, state_dir: Path) -> dict[str, Any]:
+def bench_agent(
+    servers: Servers,
+    model: BenchModel,
+    body_file: Path,
+    expected: np.ndarray,
+    batching: bool,
+    plan: Plan,
+    state_dir: Path,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    quiet = wait_quiet(plan.quiet_wait_s)
     port = free_port()
     exe = Path(sys.executable).with_name("mcp-agent")
-    base = [str(exe)] if exe.exists() else [sys.executable, "-c", "from agent.cli import main; main()"]
-    args = ["serve", "--model-path", str(model.path), "--port", str(port),
-            "--state-dir", str(state_dir), "--log-level", "warning"]
+    base = (
+        [str(exe)] if exe.exists() else [sys.executable, "-c", "from agent.cli import main; main()"]
+    )
+    args = [
+        "serve",
+        "--model-path",
+        str(model.path),
+        "--port",
+        str(port),
+        "--state-dir",
+        str(state_dir),
+        "--log-level",
+        "warning",
+    ]
     if not batching:
         args.append("--no-batching")
-    label = f"agent-{model.name}-{'on' if batching else 'off'}"
+    args += extra
+    label = f"agent-{model.name}-{'on' if batching else 'off'}{''.join(extra)}"
     with servers.start(label, base + args, port) as (proc, startup):
         check = _check_agent_answer(port, model, body_file.read_bytes(), expected)
         rss_ready = _rss_mib(proc.pid)
         path = f"/v2/models/{model.name}/infer"
         c1 = run_client(
-            port=port, path=path, body_file=body_file, concurrency=1, warmup_s=plan.c1_warmup_s,
-            duration_s=plan.c1_max_s, max_requests=plan.c1_requests, server_pid=proc.pid,
+            port=port,
+            path=path,
+            body_file=body_file,
+            concurrency=1,
+            warmup_s=plan.c1_warmup_s,
+            duration_s=plan.c1_max_s,
+            max_requests=plan.c1_requests,
+            server_pid=proc.pid,
         )
         before = _batch_counters(port, model.name)
         c64 = run_client(
-            port=port, path=path, body_file=body_file, concurrency=64, warmup_s=plan.c64_warmup_s,
-            duration_s=plan.c64_s, max_requests=10_000_000, server_pid=proc.pid,
+            port=port,
+            path=path,
+            body_file=body_file,
+            concurrency=64,
+            warmup_s=plan.c64_warmup_s,
+            duration_s=plan.c64_s,
+            max_requests=10_000_000,
+            server_pid=proc.pid,
         )
         after = _batch_counters(port, model.name)
         batches = after["count"] - before["count"]
         return {
-            "command": "mcp-agent " + " ".join(
+            "command": "mcp-agent "
+            + " ".join(
                 a if a not in (str(model.path), str(port), str(state_dir)) else "…" for a in args
             ),
             "startup_s": round(startup, 2),
+            "quiet_before": quiet,
             "check": check,
             "rss_mib_ready": rss_ready,
             "rss_mib_after_load": _rss_mib(proc.pid),
@@ -299,21 +373,26 @@ def bench_agent(servers: Servers, model: BenchModel, body_file: Path, expected: 
             "c64_batches": {
                 "batches": int(batches),
                 "requests_per_batch": round((after["sum"] - before["sum"]) / batches, 2)
-                if batches else None,
+                if batches
+                else None,
                 "note": "from /metrics; includes the c64 warm-up",
             },
         }
 
 
 # ---------------------------------------------------------------------------- ratios
-def _ratio(name: str, value: float, op: str, goal: float | None, inputs: dict[str, Any]) -> dict[str, Any]:
+def _ratio(
+    name: str, value: float, op: str, goal: float | None, inputs: dict[str, Any]
+) -> dict[str, Any]:
     ok: bool | None
-    if goal is None:
-        ok = None
-    else:
-        ok = value <= goal if op == "<=" else value >= goal
-    return {"name": name, "value": round(value, 3),
-            "goal": None if goal is None else f"{op} {goal:g}", "pass": ok, "inputs": inputs}
+    ok = None if goal is None else value <= goal if op == "<=" else value >= goal
+    return {
+        "name": name,
+        "value": round(value, 3),
+        "goal": None if goal is None else f"{op} {goal:g}",
+        "pass": ok,
+        "inputs": inputs,
+    }
 
 
 def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -329,46 +408,125 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
             a = result["agent"][model][mode]
             floor = null_p50 + ort_p50
             default = mode == "batching_on"  # goals apply to the default config; off is context
-            out.append(_ratio(
-                f"{model}.{mode}.latency_c1_p50_over_floor", a["c1"]["latency_us"]["p50"] / floor,
-                "<=", 1.3 if default else None,
-                {"agent_p50_us": a["c1"]["latency_us"]["p50"], "null_p50_us": null_p50,
-                 "session_run_p50_us": ort_p50},
-            ))
-            out.append(_ratio(
-                f"{model}.{mode}.rps_c64_over_null", a["c64"]["rps"] / null_rps,
-                ">=", 0.8 if default else None,
-                {"agent_rps": a["c64"]["rps"], "null_rps": null_rps},
-            ))
+            out.append(
+                _ratio(
+                    f"{model}.{mode}.latency_c1_p50_over_floor",
+                    a["c1"]["latency_us"]["p50"] / floor,
+                    "<=",
+                    1.3 if default else None,
+                    {
+                        "agent_p50_us": a["c1"]["latency_us"]["p50"],
+                        "null_p50_us": null_p50,
+                        "session_run_p50_us": ort_p50,
+                    },
+                )
+            )
+            out.append(
+                _ratio(
+                    f"{model}.{mode}.rps_c64_over_null",
+                    a["c64"]["rps"] / null_rps,
+                    ">=",
+                    0.8 if default else None,
+                    {"agent_rps": a["c64"]["rps"], "null_rps": null_rps},
+                )
+            )
         on = result["agent"][model]["batching_on"]["c64"]["rps"]
         off = result["agent"][model]["batching_off"]["c64"]["rps"]
-        out.append(_ratio(
-            f"{model}.rps_c64_batching_on_over_off", on / off if off else float("inf"),
-            ">=", 2.0 if primary else None, {"on_rps": on, "off_rps": off},
-        ))
+        out.append(
+            _ratio(
+                f"{model}.rps_c64_batching_on_over_off",
+                on / off if off else float("inf"),
+                ">=",
+                2.0 if primary else None,
+                {"on_rps": on, "off_rps": off},
+            )
+        )
     rss = result["agent"]["digits"]["batching_on"]["rss_mib_after_load"]
-    out.append(_ratio("digits.agent_rss_mib", rss, "<=", 100.0,
-                      {"null_handler_rss_mib": null_runs[0]["rss_mib"]}))
+    out.append(
+        _ratio(
+            "digits.agent_rss_mib",
+            rss,
+            "<=",
+            100.0,
+            {"null_handler_rss_mib": null_runs[0]["rss_mib"]},
+        )
+    )
     return out
+
+
+def _row(runs: dict[str, Any]) -> dict[str, Any]:
+    c1, c64 = runs["c1"], runs["c64"]
+    return {
+        "c1_p50_us": c1["latency_us"]["p50"],
+        "c1_p99_us": c1["latency_us"]["p99"],
+        "c64_rps": c64["rps"],
+        "c64_p50_us": c64["latency_us"]["p50"],
+        "c64_p99_us": c64["latency_us"]["p99"],
+        "c1_server_cpu_us_per_req": c1.get("cpu", {}).get("server_us_per_request"),
+        "c64_server_cpu_us_per_req": c64.get("cpu", {}).get("server_us_per_request"),
+        "c64_main_thread_cpu_us_per_req": c64.get("cpu", {}).get(
+            "server_main_thread_us_per_request"
+        ),
+    }
+
+
+def _table(result: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers of every server run, one row each."""
+    rows: dict[str, Any] = {}
+    for i, null in enumerate(result["null_handler"]):
+        for model, runs in null["runs"].items():
+            rows[f"null[{i}].{model}"] = _row(runs)
+    for model, modes in result["agent"].items():
+        for mode, a in modes.items():
+            rows[f"agent.{model}.{mode}"] = _row(a)
+    for name, a in result.get("diagnostics", {}).items():
+        rows[f"diagnostics.{name}"] = _row(a)
+    return rows
+
+
+def _disturbed(result: dict[str, Any]) -> list[str]:
+    """Client runs during which other work (processes or hypervisor steal) used the box."""
+    found: list[str] = []
+
+    def visit(node: Any, path: str) -> None:
+        if isinstance(node, dict):
+            if node.get("disturbed"):
+                cpu = node.get("cpu", {})
+                found.append(
+                    f"{path} (other {cpu.get('other_cores')} cores, "
+                    f"steal {cpu.get('steal_cores')} cores)"
+                )
+            for k, v in node.items():
+                visit(v, f"{path}.{k}" if path else k)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                visit(v, f"{path}[{i}]")
+
+    for key in ("null_handler", "agent", "diagnostics"):
+        visit(result.get(key), key)
+    return found
 
 
 # ---------------------------------------------------------------------------- main
 def _versions() -> dict[str, str]:
-    import aiohttp
-    import onnxruntime
-    import uvloop
+    from importlib.metadata import PackageNotFoundError, version
 
-    from agent import __version__ as agent_version
-
-    return {"python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
-            "aiohttp": aiohttp.__version__, "uvloop": uvloop.__version__,
-            "orjson": orjson.__version__, "numpy": np.__version__, "psutil": psutil.__version__,
-            "agent": agent_version}
+    found = {"python": platform.python_version()}
+    for dist in ("onnxruntime", "aiohttp", "uvloop", "orjson", "numpy", "psutil", "mcp-edge"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            found[dist] = "not installed"
+    return found
 
 
 def _request_body(model: BenchModel) -> bytes:
-    tensor = {"name": model.input_name, "shape": list(model.sample.shape), "datatype": "FP32",
-              "data": [round(float(v), 6) for v in model.sample.reshape(-1)]}
+    tensor = {
+        "name": model.input_name,
+        "shape": list(model.sample.shape),
+        "datatype": "FP32",
+        "data": [round(float(v), 6) for v in model.sample.reshape(-1)],
+    }
     return orjson.dumps({"inputs": [tensor]})
 
 
@@ -379,9 +537,12 @@ def run(plan: Plan) -> dict[str, Any]:
         "bench": "local_inference",
         "mode": plan.mode,
         "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "loadavg_start": [round(x, 2) for x in os.getloadavg()],
-                    "pinning": "none"},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+            "pinning": "none",
+        },
         "versions": _versions(),
         "client": plan.client(),
         "units": "latency in µs; rps = 200 answers per second; rss in MiB",
@@ -395,13 +556,17 @@ def run(plan: Plan) -> dict[str, Any]:
             bodies[m.name] = tmp / f"{m.name}.body.json"
             bodies[m.name].write_bytes(_request_body(m))
             sess = _session(m.path, settings)
-            rows = np.asarray(orjson.loads(bodies[m.name].read_bytes())["inputs"][0]["data"],
-                              dtype=np.float32).reshape(m.sample.shape)
+            rows = np.asarray(
+                orjson.loads(bodies[m.name].read_bytes())["inputs"][0]["data"], dtype=np.float32
+            ).reshape(m.sample.shape)
             expected[m.name] = sess.run(None, {m.input_name: rows})[0]
         result["models"] = {
-            m.name: {"description": m.description, "input_shape": list(m.sample.shape),
-                     "file_bytes": m.path.stat().st_size,
-                     "request_body_bytes": bodies[m.name].stat().st_size}
+            m.name: {
+                "description": m.description,
+                "input_shape": list(m.sample.shape),
+                "file_bytes": m.path.stat().st_size,
+                "request_body_bytes": bodies[m.name].stat().st_size,
+            }
             for m in models
         }
         result["session_run"] = {"options": settings} | {
@@ -420,10 +585,28 @@ def run(plan: Plan) -> dict[str, Any]:
                 }
             for i in range(1, plan.null_repeats):
                 result["null_handler"].append(bench_null(servers, models, bodies, plan, i))
+            if plan.diagnostics:
+                # Same as the default digits run but one onnxruntime thread: shows what the
+                # profile's intra-op pool (spinning threads on a 2-core box) costs.
+                digits = models[0]
+                result["diagnostics"] = {
+                    "digits_batching_on_threads_1": bench_agent(
+                        servers,
+                        digits,
+                        bodies[digits.name],
+                        expected[digits.name],
+                        True,
+                        plan,
+                        tmp / "state",
+                        ("--threads", "1"),
+                    )
+                }
         finally:
             servers.stop_all()
     result["ratios"] = ratios(result)
     result["summary"] = {r["name"]: r["pass"] for r in result["ratios"] if r["pass"] is not None}
+    result["disturbed_runs"] = _disturbed(result)
+    result["table"] = _table(result)
     result["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     return result

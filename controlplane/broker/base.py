@@ -1,0 +1,58 @@
+"""The interface the control plane uses to manage broker accounts, whatever the broker.
+
+Mosquitto's dynamic-security plugin is the implementation shipped today
+(:mod:`controlplane.broker.dynsec`); an EMQX or HiveMQ implementation would provide the same
+methods. Every account is bound to one client id, and every ACL is a literal topic list built
+with :mod:`shared.protocol.topics` (Mosquitto 2.0's dynsec does not expand ``%c``/``%u``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from shared.errors import McpError
+
+
+class BrokerAdminError(McpError):
+    """The broker refused or did not answer an administration request."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """An MQTT account: the client must connect with exactly this client id."""
+
+    username: str
+    password: str
+    client_id: str
+
+    def __repr__(self) -> str:  # never log the password
+        return f"Credentials(username={self.username!r}, client_id={self.client_id!r})"
+
+
+class BrokerProvisioner(Protocol):
+    """Creates, disables and removes broker accounts. All methods are idempotent."""
+
+    async def provision_device(self, device_id: str) -> Credentials:
+        """Create (or reset the password of) the device's account with its per-device role:
+        publish/subscribe only on its own topics, the fleet inference topics and client reply
+        topics; everything else denied."""
+        ...
+
+    async def provision_service(self, name: str) -> Credentials:
+        """An account for a control-plane replica: every device topic, shared subscriptions."""
+        ...
+
+    async def provision_app_client(self, client_id: str) -> Credentials:
+        """An account for an application that sends inference requests and reads its replies."""
+        ...
+
+    async def disable_device(self, device_id: str) -> None:
+        """Disable the account and disconnect a live session (revocation)."""
+        ...
+
+    async def enable_device(self, device_id: str) -> None:
+        ...
+
+    async def delete_device(self, device_id: str) -> None:
+        ...
