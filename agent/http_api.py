@@ -39,7 +39,7 @@ from agent.runtime.batcher import (
 from agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
 from agent.runtime.runner import Array, InferenceError, InputError, TensorSpec
 from shared.errors import MessageError
-from shared.protocol import ErrorCode, InferRequest, InferTensor, decode
+from shared.protocol import ErrorCode, InferTensor, decode_infer_request
 from shared.protocol.inference import Datatype
 
 log = logging.getLogger("mcp.agent.http")
@@ -139,7 +139,9 @@ def tensors_to_feeds(inputs: list[InferTensor], specs: tuple[TensorSpec, ...]) -
 def _tensor_json(name: str, arr: Array) -> dict[str, Any]:
     dt = Datatype.from_numpy(arr.dtype)
     flat = arr.reshape(-1)
-    data: Any = flat if arr.dtype.str[1:] in ("f4", "f8", "i8", "i4", "u1", "i1", "b1") else flat.tolist()
+    data: Any = (
+        flat if arr.dtype.str[1:] in ("f4", "f8", "i8", "i4", "u1", "i1", "b1") else flat.tolist()
+    )
     if dt is Datatype.BYTES:
         data = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in flat]
     return {"name": name, "datatype": dt.value, "shape": list(arr.shape), "data": data}
@@ -169,33 +171,57 @@ class Handlers:
         self.manager = manager
         self.metrics = metrics
         self.max_body = max_body
+        self._ok: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._payload = {p: metrics.payload_bytes.labels(p) for p in ("v1", "v2")}
+
+    def _model_label(self, model: str) -> str:
+        # Only loaded models become label values: a URL must not mint metric series.
+        return model if model in self.manager.loaded_names else "_unknown"
+
+    def _failed(self, model: str, protocol: str, e: Exception) -> web.Response:
+        m = self.metrics
+        err = classify(e)
+        label = self._model_label(model)
+        if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
+            m.rejections.labels(label, err.code.value).inc()
+        else:
+            m.errors.labels(label, _error_cause(err)).inc()
+        m.requests.labels(label, protocol, str(err.code.http_status)).inc()
+        return _error(err)
+
+    def _succeeded(self, lv: LoadedVersion, protocol: str, started: float) -> None:
+        key = (lv.name, lv.version, protocol)
+        children = self._ok.get(key)
+        if children is None:
+            children = (
+                self.metrics.requests.labels(lv.name, protocol, "200"),
+                self.metrics.latency.labels(lv.name, lv.version),
+            )
+            self._ok[key] = children
+        children[0].inc()
+        children[1].observe(time.perf_counter() - started)
 
     async def _guarded(
-        self, request: web.Request, model: str, protocol: str,
-        work: Callable[[], Awaitable[tuple[LoadedVersion | None, web.Response]]],
+        self,
+        request: web.Request,
+        model: str,
+        protocol: str,
+        work: Callable[[], Awaitable[tuple[LoadedVersion, web.Response]]],
     ) -> web.Response:
-        m = self.metrics
         t0 = time.perf_counter()
-        m.active.inc()
+        self.metrics.active.inc()
         try:
             lv, response = await work()
         except Exception as e:
-            err = classify(e)
-            code = err.code
-            if code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
-                m.rejections.labels(model, code.value).inc()
-            else:
-                m.errors.labels(model, _error_cause(err)).inc()
-            m.requests.labels(model, protocol, str(code.http_status)).inc()
-            return _error(err)
+            return self._failed(model, protocol, e)
         finally:
-            m.active.dec()
-        m.requests.labels(model, protocol, "200").inc()
-        if lv is not None:
-            m.latency.labels(lv.name, lv.version).observe(time.perf_counter() - t0)
+            self.metrics.active.dec()
+        self._succeeded(lv, protocol, t0)
         return response
 
-    def _routing(self, request: web.Request, model: str) -> tuple[LoadedVersion, bool, Priority, float | None]:
+    def _routing(
+        self, request: web.Request, model: str
+    ) -> tuple[LoadedVersion, bool, Priority, float | None]:
         pinned = request.match_info.get("version") or request.headers.get("X-Model-Version")
         lv = self.manager.route(model, pinned, request.headers.get("X-Request-Key"))
         try:
@@ -220,30 +246,37 @@ class Handlers:
                 f"request body too large: {request.content_length} bytes, limit {self.max_body}",
             )
         body = await request.read()
-        self.metrics.payload_bytes.labels(protocol).observe(len(body))
+        self._payload[protocol].observe(len(body))
         return body
 
     async def infer_v2(self, request: web.Request) -> web.Response:
+        # Straight-line on purpose: this is the hot path (see bench/local_inference.py).
         model = request.match_info["model"]
-
-        async def work() -> tuple[LoadedVersion | None, web.Response]:
+        t0 = time.perf_counter()
+        active = self.metrics.active
+        active.inc()
+        try:
             body = await self._body(request, "v2")
-            req = decode(body, InferRequest, max_bytes=self.max_body)
+            req = decode_infer_request(body, max_bytes=self.max_body)
             lv, pinned, priority, timeout = self._routing(request, model)
             feeds = tensors_to_feeds(req.inputs, lv.info.inputs)
             answered, outputs = await self.manager.infer(
                 lv, feeds, pinned=pinned, priority=priority, timeout_s=timeout
             )
             wanted = [o.name for o in req.outputs] if req.outputs else None
-            return answered, _json(response_body(answered, req.id, outputs, wanted))
-
-        return await self._guarded(request, model, "v2", work)
+            response = _json(response_body(answered, req.id, outputs, wanted))
+        except Exception as e:
+            return self._failed(model, "v2", e)
+        finally:
+            active.dec()
+        self._succeeded(answered, "v2", t0)
+        return response
 
     async def infer_v1(self, request: web.Request) -> web.Response:
         names = self.manager.names()
         model = "unknown"
 
-        async def work() -> tuple[LoadedVersion | None, web.Response]:
+        async def work() -> tuple[LoadedVersion, web.Response]:
             nonlocal model
             body = await self._body(request, "v1")
             try:
@@ -291,28 +324,39 @@ class Handlers:
         except ModelNotFoundError as e:
             return _error(ApiError(ErrorCode.NOT_FOUND, str(e)))
         info = lv.info
-        return _json({
-            "name": lv.name,
-            "versions": sorted(slot.versions),
-            "platform": "onnxruntime_onnx" if info.backend == "onnxruntime" else "tensorflow_lite",
-            "inputs": [s.to_json() for s in info.inputs],
-            "outputs": [s.to_json() for s in info.outputs],
-            "parameters": {
-                "version": lv.version,
-                "role": slot.role_of(lv.version),
-                "backend": info.backend,
-                "provider": info.provider,
-                "stable": slot.stable,
-                "canary": None if slot.canary is None else {
-                    "version": slot.canary.version, "weight": slot.canary.weight,
-                    "enabled": slot.canary.enabled, "error_rate": slot.canary.error_rate,
+        return _json(
+            {
+                "name": lv.name,
+                "versions": sorted(slot.versions),
+                "platform": "onnxruntime_onnx"
+                if info.backend == "onnxruntime"
+                else "tensorflow_lite",
+                "inputs": [s.to_json() for s in info.inputs],
+                "outputs": [s.to_json() for s in info.outputs],
+                "parameters": {
+                    "version": lv.version,
+                    "role": slot.role_of(lv.version),
+                    "backend": info.backend,
+                    "provider": info.provider,
+                    "stable": slot.stable,
+                    "canary": None
+                    if slot.canary is None
+                    else {
+                        "version": slot.canary.version,
+                        "weight": slot.canary.weight,
+                        "enabled": slot.canary.enabled,
+                        "error_rate": slot.canary.error_rate,
+                    },
+                    "shadow": None
+                    if slot.shadow is None
+                    else {
+                        "version": slot.shadow.version,
+                        "compared": slot.shadow.compared,
+                        "agreement": slot.shadow.agreement,
+                    },
                 },
-                "shadow": None if slot.shadow is None else {
-                    "version": slot.shadow.version, "compared": slot.shadow.compared,
-                    "agreement": slot.shadow.agreement,
-                },
-            },
-        })
+            }
+        )
 
     async def model_ready(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]

@@ -17,8 +17,24 @@ from prometheus_client import (
     generate_latest,
 )
 
+from agent.loop_metrics import LoopCounter, LoopHistogram
+
 LATENCY_BUCKETS = (
-    0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0002,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
@@ -32,97 +48,140 @@ class AgentMetrics:
         r = self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
-        self.requests = Counter(
-            "mcp_agent_requests_total", "Inference requests answered, by outcome code.",
-            ["model", "protocol", "code"], registry=r,
+        self.requests = LoopCounter(
+            "mcp_agent_requests_total",
+            "Inference requests answered, by outcome code.",
+            ["model", "protocol", "code"],
+            registry=r,
         )
-        self.latency = Histogram(
-            "mcp_agent_request_latency_seconds", "Time from request received to answer sent.",
-            ["model", "version"], buckets=LATENCY_BUCKETS, registry=r,
+        self.latency = LoopHistogram(
+            "mcp_agent_request_latency_seconds",
+            "Time from request received to answer sent.",
+            ["model", "version"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.active = Gauge(
             "mcp_agent_active_requests", "Inference requests being handled now.", registry=r
         )
         self.queue_depth = Gauge(
-            "mcp_agent_queue_depth", "Requests waiting in a model version's batch queue.",
-            ["model", "version"], registry=r,
-        )
-        self.queue_wait = Histogram(
-            "mcp_agent_queue_wait_seconds", "How long the oldest request of a batch waited.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.run_time = Histogram(
-            "mcp_agent_inference_run_seconds", "Backend time per batch.",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
-        )
-        self.batch_size = Histogram(
-            "mcp_agent_batch_size", "Rows per batch run.", ["model"], buckets=BATCH_BUCKETS,
+            "mcp_agent_queue_depth",
+            "Requests waiting in a model version's batch queue.",
+            ["model", "version"],
             registry=r,
         )
-        self.batch_requests = Histogram(
-            "mcp_agent_batch_requests", "Requests merged into one batch run.", ["model"],
-            buckets=BATCH_BUCKETS, registry=r,
+        self.queue_wait = LoopHistogram(
+            "mcp_agent_queue_wait_seconds",
+            "How long the oldest request of a batch waited.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.batch_fill = Histogram(
-            "mcp_agent_batch_fill_ratio", "Rows per batch over the maximum batch size.",
-            ["model"], buckets=RATIO_BUCKETS, registry=r,
+        self.run_time = LoopHistogram(
+            "mcp_agent_inference_run_seconds",
+            "Backend time per batch.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = LoopHistogram(
+            "mcp_agent_batch_size",
+            "Rows per batch run.",
+            ["model"],
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_fill = LoopHistogram(
+            "mcp_agent_batch_fill_ratio",
+            "Rows per batch over the maximum batch size.",
+            ["model"],
+            buckets=RATIO_BUCKETS,
+            registry=r,
         )
         self.errors = Counter(
-            "mcp_agent_inference_errors_total", "Failed inference requests by cause.",
-            ["model", "cause"], registry=r,
+            "mcp_agent_inference_errors_total",
+            "Failed inference requests by cause.",
+            ["model", "cause"],
+            registry=r,
         )
         self.rejections = Counter(
-            "mcp_agent_rejections_total", "Requests refused before running (overload, deadline).",
-            ["model", "reason"], registry=r,
+            "mcp_agent_rejections_total",
+            "Requests refused before running (overload, deadline).",
+            ["model", "reason"],
+            registry=r,
         )
-        self.payload_bytes = Histogram(
-            "mcp_agent_request_payload_bytes", "Size of inference request bodies.",
-            ["protocol"], buckets=(256, 1024, 4096, 16384, 65536, 262144, 1048576, 8388608),
+        self.payload_bytes = LoopHistogram(
+            "mcp_agent_request_payload_bytes",
+            "Size of inference request bodies.",
+            ["protocol"],
+            buckets=(256, 1024, 4096, 16384, 65536, 262144, 1048576, 8388608),
             registry=r,
         )
         self.load_seconds = Histogram(
-            "mcp_agent_model_load_seconds", "Time to load a model version into its backend.",
-            ["model"], buckets=LOAD_BUCKETS, registry=r,
+            "mcp_agent_model_load_seconds",
+            "Time to load a model version into its backend.",
+            ["model"],
+            buckets=LOAD_BUCKETS,
+            registry=r,
         )
         self.warmup_seconds = Histogram(
-            "mcp_agent_model_warmup_seconds", "Time to warm up and check a model version.",
-            ["model"], buckets=LOAD_BUCKETS, registry=r,
+            "mcp_agent_model_warmup_seconds",
+            "Time to warm up and check a model version.",
+            ["model"],
+            buckets=LOAD_BUCKETS,
+            registry=r,
         )
         self.load_failures = Counter(
-            "mcp_agent_model_load_failures_total", "Model versions that failed to load or warm.",
-            ["model", "stage"], registry=r,
+            "mcp_agent_model_load_failures_total",
+            "Model versions that failed to load or warm.",
+            ["model", "stage"],
+            registry=r,
         )
         self.swaps = Counter(
-            "mcp_agent_model_swaps_total", "Stable versions replaced by a hot swap.", ["model"],
+            "mcp_agent_model_swaps_total",
+            "Stable versions replaced by a hot swap.",
+            ["model"],
             registry=r,
         )
         self.models_loaded = Gauge(
             "mcp_agent_model_versions_loaded", "Model versions currently loaded.", registry=r
         )
         self.model_info = Gauge(
-            "mcp_agent_model_info", "Loaded model versions (value 1) and how they run.",
-            ["model", "version", "role", "backend", "provider"], registry=r,
+            "mcp_agent_model_info",
+            "Loaded model versions (value 1) and how they run.",
+            ["model", "version", "role", "backend", "provider"],
+            registry=r,
         )
         self.canary_weight = Gauge(
-            "mcp_agent_canary_weight", "Share of routed requests sent to the canary.", ["model"],
+            "mcp_agent_canary_weight",
+            "Share of routed requests sent to the canary.",
+            ["model"],
             registry=r,
         )
         self.canary_fallbacks = Counter(
             "mcp_agent_canary_fallbacks_total",
             "Canaries taken out of rotation because their error rate passed the limit.",
-            ["model"], registry=r,
+            ["model"],
+            registry=r,
         )
         self.shadow_comparisons = Counter(
-            "mcp_agent_shadow_comparisons_total", "Shadow answers compared with stable.",
-            ["model", "outcome"], registry=r,
+            "mcp_agent_shadow_comparisons_total",
+            "Shadow answers compared with stable.",
+            ["model", "outcome"],
+            registry=r,
         )
         self.shadow_agreement = Gauge(
-            "mcp_agent_shadow_agreement_ratio", "Share of shadow answers agreeing with stable.",
-            ["model", "version"], registry=r,
+            "mcp_agent_shadow_agreement_ratio",
+            "Share of shadow answers agreeing with stable.",
+            ["model", "version"],
+            registry=r,
         )
         self.shadow_latency = Histogram(
-            "mcp_agent_shadow_latency_seconds", "Shadow inference latency.", ["model"],
-            buckets=LATENCY_BUCKETS, registry=r,
+            "mcp_agent_shadow_latency_seconds",
+            "Shadow inference latency.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
 
     def exposition(self) -> bytes:

@@ -52,7 +52,7 @@ def prepare_v1_inputs(doc: dict[str, Any], lv: LoadedVersion) -> tuple[dict[str,
     if images is not None:
         if pre.get("kind") != "image":
             raise PreprocessError(
-                f"model {lv.name!r} has no image preprocessing in its bundle; send \"data\""
+                f'model {lv.name!r} has no image preprocessing in its bundle; send "data"'
             )
         if not isinstance(images, list) or not 1 <= len(images) <= MAX_IMAGES:
             raise PreprocessError(f'"images" must be a list of 1 to {MAX_IMAGES} base64 strings')
@@ -71,7 +71,11 @@ def prepare_v1_inputs(doc: dict[str, Any], lv: LoadedVersion) -> tuple[dict[str,
         raise PreprocessError(
             f"input needs {want} values per sample (shape {list(spec.shape)}), got {rows.size}"
         )
-    batch = rows.reshape((-1, *per_row)) if spec.shape and spec.shape[0] < 0 else rows.reshape(spec.shape)
+    batch = (
+        rows.reshape((-1, *per_row))
+        if spec.shape and spec.shape[0] < 0
+        else rows.reshape(spec.shape)
+    )
     return {spec.name: batch.astype(spec.datatype.numpy_dtype)}, k
 
 
@@ -87,7 +91,9 @@ def _apply_numeric(arr: Array, pre: dict[str, Any]) -> Array:
 
 def _image_row(encoded: object, pre: dict[str, Any]) -> Array:
     if not isinstance(encoded, str) or len(encoded) > MAX_IMAGE_BYTES * 4 // 3 + 4:
-        raise PreprocessError(f"an image must be a base64 string of at most {MAX_IMAGE_BYTES} bytes")
+        raise PreprocessError(
+            f"an image must be a base64 string of at most {MAX_IMAGE_BYTES} bytes"
+        )
     try:
         raw = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
@@ -104,7 +110,9 @@ def _image_row(encoded: object, pre: dict[str, Any]) -> Array:
                 img = img.resize((int(w), int(h)), Image.Resampling.BILINEAR)
             pixels = np.asarray(img, dtype=np.float64)
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError):
-        raise PreprocessError("image could not be decoded (PNG, JPEG, BMP or GIF expected)") from None
+        raise PreprocessError(
+            "image could not be decoded (PNG, JPEG, BMP or GIF expected)"
+        ) from None
     if pixels.ndim == 2:
         pixels = pixels[:, :, None]
     scale = pre.get("scale")

@@ -21,13 +21,16 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from agent.runtime.manager import ModelManager, ModelSource
 from agent.runtime.runner import RunnerError
-from shared.bundle import BundleManifest, open_bundle
-from shared.errors import BundleError, McpError
+from shared.errors import McpError
 from shared.profiles import HardwareProfile
-from shared.signing import PublicKey
+
+if TYPE_CHECKING:
+    from shared.bundle import BundleManifest
+    from shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent.repository")
 
@@ -112,12 +115,16 @@ class ModelRepository:
         return ModelSource(name=name, version=str(version), model_path=path, origin=path)
 
     def _bundle_source(self, path: Path) -> ModelSource:
+        from shared.bundle import open_bundle  # only when a bundle is served
+
         self.bundle_dir.mkdir(parents=True, exist_ok=True)
         dest = self.bundle_dir / f"{path.stem}-{fingerprint(path)[0]}"
         if dest.exists():
             shutil.rmtree(dest)
         signed = bool(self.trusted_keys)
-        opened = open_bundle(path, dest, self.trusted_keys, require_signature=signed, validate_models=False)
+        opened = open_bundle(
+            path, dest, self.trusted_keys, require_signature=signed, validate_models=False
+        )
         if not signed:
             log.warning("%s: publisher signature not checked (no --trust-key given)", path.name)
         manifest = opened.manifest
@@ -149,7 +156,9 @@ class ModelRepository:
             try:
                 source = self.source_for(path)
                 if source.name in self._names.values():
-                    raise RepositoryError(f"{path.name}: another file already serves {source.name!r}")
+                    raise RepositoryError(
+                        f"{path.name}: another file already serves {source.name!r}"
+                    )
                 await manager.load(source)
             except (McpError, OSError) as e:
                 log.error("%s: not loaded: %s", path.name, e)
@@ -187,8 +196,12 @@ class RepositoryWatcher:
     """Polls the model path every ``interval_s`` seconds and reloads what changed."""
 
     def __init__(
-        self, repo: ModelRepository, manager: ModelManager, known: dict[Path, ModelFile],
-        *, interval_s: float = 1.0,
+        self,
+        repo: ModelRepository,
+        manager: ModelManager,
+        known: dict[Path, ModelFile],
+        *,
+        interval_s: float = 1.0,
     ) -> None:
         self.repo, self.manager = repo, manager
         self.interval_s = interval_s
@@ -235,7 +248,3 @@ class RepositoryWatcher:
         for path in list(self._seen):
             if path not in current:
                 del self._seen[path]
-
-
-def _unused(_: BundleError) -> None:  # pragma: no cover
-    pass

@@ -10,6 +10,7 @@ import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from aiohttp import web
@@ -21,7 +22,9 @@ from agent.runtime.manager import ModelManager, ModelSource, RunnerFactory
 from agent.runtime.runner import ModelRunner
 from shared.errors import McpError
 from shared.profiles import HardwareProfile
-from shared.signing import PublicKey, read_public_key
+
+if TYPE_CHECKING:
+    from shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent")
 
@@ -114,17 +117,20 @@ def runner_factory(
     return build
 
 
-
 async def run_server(config: ServeConfig, *, ready: asyncio.Event | None = None) -> None:
     """Load the models, serve until SIGINT/SIGTERM (or cancellation), then drain and stop."""
     profile, reasons = choose_profile(config.profile)
     log.info("profile %s (%s)", profile.name, "; ".join(reasons[:3]))
     manager = ModelManager(
-        runner_factory(profile, workers=config.workers, threads=config.threads, backend=config.backend),
+        runner_factory(
+            profile, workers=config.workers, threads=config.threads, backend=config.backend
+        ),
         batching=config.batching,
     )
     repo = ModelRepository(
-        config.model_path, state_dir=config.state_dir, profile=profile,
+        config.model_path,
+        state_dir=config.state_dir,
+        profile=profile,
         trusted_keys=config.trusted_keys,
     )
     repo.reset_bundle_dir()
@@ -132,7 +138,9 @@ async def run_server(config: ServeConfig, *, ready: asyncio.Event | None = None)
     for cand in config.candidates:
         source = repo.source_for(cand.path)
         await manager.load(
-            source, role=cand.role, canary_weight=cand.weight,
+            source,
+            role=cand.role,
+            canary_weight=cand.weight,
             max_error_rate=config.canary_max_error_rate,
         )
     watcher = None
@@ -146,9 +154,7 @@ async def run_server(config: ServeConfig, *, ready: asyncio.Event | None = None)
     await site.start()
     for name in manager.names():
         lv = manager.get(name)
-        log.info(
-            "serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider
-        )
+        log.info("serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider)
     click.echo(
         f"mcp-agent: serving {', '.join(manager.names())} on http://{config.host}:{config.port} "
         f"(profile {profile.name}; try GET /v2/models/{manager.names()[0]})",
@@ -180,48 +186,127 @@ def _install_event_loop() -> None:
 
 
 @click.command("serve")
-@click.option("--model-path", required=True, type=click.Path(exists=True, path_type=Path),
-              help="A model file (.onnx, .tflite, .mcpb) or a directory of them.")
+@click.option(
+    "--model-path",
+    required=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="A model file (.onnx, .tflite, .mcpb) or a directory of them.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64),
-              help="Model instances per model; requests go to the least loaded.")
-@click.option("--threads", type=click.IntRange(1, 256), default=None,
-              help="Backend threads per instance (default: the profile's).")
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Model instances per model; requests go to the least loaded.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="Backend threads per instance (default: the profile's).",
+)
 @click.option("--max-batch-size", default=32, show_default=True, type=click.IntRange(1, 4096))
-@click.option("--max-queue-delay-ms", default=0.0, show_default=True, type=click.FloatRange(0, 10_000),
-              help="How long a partial batch may wait for more requests.")
-@click.option("--max-queue", default=1024, show_default=True, type=click.IntRange(1, 1_000_000),
-              help="Requests waiting per model version before answering 429.")
-@click.option("--timeout-ms", default=30_000.0, show_default=True, type=click.FloatRange(1, 3_600_000),
-              help="Default per-request deadline (504 past it).")
+@click.option(
+    "--max-queue-delay-ms",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0, 10_000),
+    help="How long a partial batch may wait for more requests.",
+)
+@click.option(
+    "--max-queue",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="Requests waiting per model version before answering 429.",
+)
+@click.option(
+    "--timeout-ms",
+    default=30_000.0,
+    show_default=True,
+    type=click.FloatRange(1, 3_600_000),
+    help="Default per-request deadline (504 past it).",
+)
 @click.option("--no-batching", is_flag=True, help="Run every request on its own.")
 @click.option("--profile", default=None, help="Hardware profile to use instead of detecting one.")
-@click.option("--backend", default=None,
-              help="Backend or provider to try first (cpu, cuda, tensorrt, coreml, openvino, xnnpack).")
-@click.option("--trust-key", "trust_keys", multiple=True, type=click.Path(exists=True, path_type=Path),
-              help="Publisher public key; when given, bundles must be signed by one of them.")
-@click.option("--canary", "canaries", multiple=True, metavar="FILE[:WEIGHT]",
-              help="Serve FILE as a canary of the model it names, for WEIGHT of traffic (0.1).")
-@click.option("--shadow", "shadows", multiple=True, metavar="FILE",
-              type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Run FILE in shadow beside the model it names; only stable answers.")
-@click.option("--canary-max-error-rate", default=0.05, show_default=True,
-              type=click.FloatRange(0, 1), help="Canary error rate that takes it out of rotation.")
-@click.option("--watch-interval", default=1.0, show_default=True, type=click.FloatRange(0, 3600),
-              help="Seconds between checks for replaced model files (0: no hot reload).")
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where bundles are unpacked (default: /var/lib/mcp-agent or ~/.local/state).")
+@click.option(
+    "--backend",
+    default=None,
+    help="Backend or provider to try first (cpu, cuda, tensorrt, coreml, openvino, xnnpack).",
+)
+@click.option(
+    "--trust-key",
+    "trust_keys",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="Publisher public key; when given, bundles must be signed by one of them.",
+)
+@click.option(
+    "--canary",
+    "canaries",
+    multiple=True,
+    metavar="FILE[:WEIGHT]",
+    help="Serve FILE as a canary of the model it names, for WEIGHT of traffic (0.1).",
+)
+@click.option(
+    "--shadow",
+    "shadows",
+    multiple=True,
+    metavar="FILE",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Run FILE in shadow beside the model it names; only stable answers.",
+)
+@click.option(
+    "--canary-max-error-rate",
+    default=0.05,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="Canary error rate that takes it out of rotation.",
+)
+@click.option(
+    "--watch-interval",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0, 3600),
+    help="Seconds between checks for replaced model files (0: no hot reload).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where bundles are unpacked (default: /var/lib/mcp-agent or ~/.local/state).",
+)
 @click.option("--max-body-mb", default=8, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--access-log", is_flag=True, help="Log every request.")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
 def serve_command(
-    model_path: Path, host: str, port: int, workers: int, threads: int | None,
-    max_batch_size: int, max_queue_delay_ms: float, max_queue: int, timeout_ms: float,
-    no_batching: bool, profile: str | None, backend: str | None, trust_keys: tuple[Path, ...],
-    canaries: tuple[str, ...], shadows: tuple[Path, ...], canary_max_error_rate: float,
-    watch_interval: float, state_dir: Path | None, max_body_mb: int, access_log: bool,
+    model_path: Path,
+    host: str,
+    port: int,
+    workers: int,
+    threads: int | None,
+    max_batch_size: int,
+    max_queue_delay_ms: float,
+    max_queue: int,
+    timeout_ms: float,
+    no_batching: bool,
+    profile: str | None,
+    backend: str | None,
+    trust_keys: tuple[Path, ...],
+    canaries: tuple[str, ...],
+    shadows: tuple[Path, ...],
+    canary_max_error_rate: float,
+    watch_interval: float,
+    state_dir: Path | None,
+    max_body_mb: int,
+    access_log: bool,
     log_level: str,
 ) -> None:
     """Serve models over HTTP (Open Inference Protocol v2 and /v1/infer) with no control plane.
@@ -236,6 +321,8 @@ def serve_command(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from shared.signing import read_public_key
+
     try:
         keys = tuple(read_public_key(p) for p in trust_keys)
         candidates = tuple(parse_canary(c) for c in canaries)
@@ -243,18 +330,26 @@ def serve_command(
         raise click.ClickException(str(e)) from e
     candidates += tuple(Candidate("shadow", p) for p in shadows)
     config = ServeConfig(
-        model_path=model_path, host=host, port=port, workers=workers, threads=threads,
+        model_path=model_path,
+        host=host,
+        port=port,
+        workers=workers,
+        threads=threads,
         batching=BatchingConfig(
             max_batch_size=1 if no_batching else max_batch_size,
             max_queue_delay_s=max_queue_delay_ms / 1000.0,
             max_queue=max_queue,
             default_timeout_s=timeout_ms / 1000.0,
         ),
-        profile=profile, backend=backend, trusted_keys=keys,
+        profile=profile,
+        backend=backend,
+        trusted_keys=keys,
         watch_interval_s=watch_interval or None,
         state_dir=state_dir or default_state_dir(),
-        max_body=max_body_mb * 1024 * 1024, access_log=access_log,
-        candidates=candidates, canary_max_error_rate=canary_max_error_rate,
+        max_body=max_body_mb * 1024 * 1024,
+        access_log=access_log,
+        candidates=candidates,
+        canary_max_error_rate=canary_max_error_rate,
     )
     _install_event_loop()
     try:

@@ -8,6 +8,11 @@ runs the batch on a worker thread, and splits the outputs back. With ``max_queue
 batches form from the requests that arrive while every instance is busy. A positive delay
 holds a partial batch until it fills or its oldest request has waited that long.
 
+Batches run on worker threads (onnxruntime and TFLite release the GIL), except batches whose
+measured run time is below ``inline_below_s`` (100 µs by default): those run on the event loop,
+because handing a 15 µs MLP call to a thread and back costs several times the call itself.
+Set ``inline_below_s`` to 0 to keep every run off the loop.
+
 The queue is bounded: a request that finds ``max_queue`` requests waiting is refused at once
 with :class:`OverloadedError` (HTTP 429 with Retry-After). A request past its deadline gets
 :class:`DeadlineExceededError` (HTTP 504) whether it was queued or running.
@@ -22,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
+import concurrent.futures
 import enum
 import logging
 import math
@@ -81,6 +86,8 @@ class BatchingConfig:
     """Most requests waiting (not counting those running); beyond it requests get 429."""
     default_timeout_s: float = 30.0
     """Per-request deadline when the caller gives none (seconds)."""
+    inline_below_s: float = 0.0001
+    """Batches expected to run faster than this run on the event loop (0: never)."""
 
 
 @dataclass
@@ -152,11 +159,12 @@ class DynamicBatcher:
             collections.deque() for _ in Priority
         )
         self._queued = 0
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._running: set[asyncio.Task[None]] = set()
+        self._running = 0
+        self._idle: asyncio.Event | None = None
+        self._delay_timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self._avg_batch_s = 0.001
+        self._avg_batch_s: float | None = None
 
     @property
     def queue_depth(self) -> int:
@@ -185,20 +193,25 @@ class DynamicBatcher:
                 f"queue full ({self._queued} requests waiting)", self._retry_after()
             )
         rows, key = self._batch_key(feeds)
-        loop = asyncio.get_running_loop()
-        self._ensure_started()
+        loop = self._loop or self._bind_loop()
         pending = _Pending(feeds, rows, key, loop.create_future(), time.perf_counter())
         self._queues[priority].append(pending)
         self._queued += 1
         self._notify_depth()
-        assert self._wakeup is not None
-        self._wakeup.set()
+        self._pump()
+        future = pending.future
+        if future.done():  # ran inline
+            return future.result()
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
+        timer = loop.call_later(timeout, _expire, future, timeout)
         try:
-            return await asyncio.wait_for(asyncio.shield(pending.future), timeout)
-        except asyncio.TimeoutError:
-            pending.future.cancel()  # dispatcher drops it if still queued
-            raise DeadlineExceededError(f"no answer within {timeout:g} s") from None
+            return await future
+        finally:
+            timer.cancel()
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
 
     def _batch_key(self, feeds: dict[str, Array]) -> tuple[int, tuple[Any, ...]]:
         if not self._batchable:
@@ -217,7 +230,7 @@ class DynamicBatcher:
         return max(rows, 0), tuple(key)
 
     def _retry_after(self) -> float:
-        per_batch = max(self._avg_batch_s, 0.0005)
+        per_batch = max(self._avg_batch_s or 0.0, 0.0005)
         batches = self._queued / max(1, self._max_rows) / len(self._instances)
         return max(1.0, math.ceil(per_batch * (batches + 1)))
 
@@ -225,50 +238,54 @@ class DynamicBatcher:
         if self._observer.on_queue_depth is not None:
             self._observer.on_queue_depth(self._queued)
 
-    def _ensure_started(self) -> None:
-        if self._task is None:
-            self._wakeup = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._dispatch_loop())
+    def _pump(self) -> None:
+        """Start batches while requests wait and instances are free (never blocks long)."""
+        while self._queued:
+            instance = self._pick_instance()
+            if instance is None:
+                return  # a finishing batch pumps again
+            if self.config.max_queue_delay_s > 0:
+                remaining = self._fill_wait()
+                if remaining > 0:
+                    if self._delay_timer is None:
+                        assert self._loop is not None
+                        self._delay_timer = self._loop.call_later(remaining, self._delay_done)
+                    return
+            batch = self._take_batch()
+            if batch:
+                self._start(instance, batch)
 
-    async def _dispatch_loop(self) -> None:
-        assert self._wakeup is not None
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._queued:
-                instance = self._pick_instance()
-                if instance is None:
-                    break  # every instance busy; a finishing batch wakes us
-                if self.config.max_queue_delay_s > 0 and self._should_wait():
-                    await self._wait_for_fill()
-                    continue
-                batch = self._take_batch()
-                if batch:
-                    self._start(instance, batch)
+    def _delay_done(self) -> None:
+        self._delay_timer = None
+        self._pump()
 
-    def _should_wait(self) -> bool:
+    def _fill_wait(self) -> float:
+        """Seconds a partial batch should still wait for more rows (0: start now)."""
         oldest = min((q[0].enqueued for q in self._queues if q), default=None)
         if oldest is None:
-            return False
+            return 0.0
         rows = sum(p.rows for q in self._queues for p in q)
-        waited = time.perf_counter() - oldest
-        return rows < self._max_rows and waited < self.config.max_queue_delay_s
-
-    async def _wait_for_fill(self) -> None:
-        assert self._wakeup is not None
-        oldest = min(q[0].enqueued for q in self._queues if q)
-        remaining = self.config.max_queue_delay_s - (time.perf_counter() - oldest)
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), max(0.0, remaining))
-        self._wakeup.clear()
+        if rows >= self._max_rows:
+            return 0.0
+        return self.config.max_queue_delay_s - (time.perf_counter() - oldest)
 
     def _pick_instance(self) -> _Instance | None:
+        if len(self._instances) == 1:
+            only = self._instances[0]
+            return None if only.busy else only
         free = [i for i in self._instances if not i.busy]
         if not free:
             return None
         return max(free, key=lambda i: (i.load_score(self._max_rows), -i.index))
 
     def _take_batch(self) -> list[_Pending]:
+        if self._queued == 1:  # the common case at low load: one request, nothing to merge
+            for queue in self._queues:
+                if queue:
+                    self._queued = 0
+                    p = queue.popleft()
+                    self._notify_depth()
+                    return [] if p.future.done() else [p]
         batch: list[_Pending] = []
         rows = 0
         key: tuple[Any, ...] | None = None
@@ -299,43 +316,67 @@ class DynamicBatcher:
         return batch
 
     def _start(self, instance: _Instance, batch: list[_Pending]) -> None:
+        started = time.perf_counter()
+        avg = self._avg_batch_s
+        if avg is not None and avg < self.config.inline_below_s:
+            outcome, run_s = _timed_run(instance.runner, batch, self._batchable)
+            self._finish(batch, started, outcome, run_s)
+            return
         instance.mark(True)
         instance.rows_in_flight = sum(p.rows for p in batch)
-        task = asyncio.get_running_loop().create_task(self._run(instance, batch))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        self._running += 1
+        loop = self._loop
+        assert loop is not None
+        work = self._executor.submit(_timed_run, instance.runner, batch, self._batchable)
 
-    async def _run(self, instance: _Instance, batch: list[_Pending]) -> None:
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        try:
-            outputs = await loop.run_in_executor(
-                self._executor, _run_batch, instance.runner, batch, self._batchable
+        def done(f: concurrent.futures.Future[tuple[_Outcome, float]]) -> None:
+            outcome, run_s = f.result()  # _timed_run never raises
+            loop.call_soon_threadsafe(
+                self._finish_threaded, instance, batch, started, outcome, run_s
             )
-        except RunnerError as e:
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_exception(e)
-        except Exception as e:  # a backend bug must not kill the dispatcher
-            log.exception("inference failed unexpectedly")
-            err = InferenceError(f"backend failed: {type(e).__name__}: {e}")
+
+        work.add_done_callback(done)
+
+    def _finish_threaded(
+        self,
+        instance: _Instance,
+        batch: list[_Pending],
+        started: float,
+        outcome: _Outcome,
+        run_s: float,
+    ) -> None:
+        self._running -= 1
+        instance.rows_in_flight = 0
+        instance.mark(False)
+        self._finish(batch, started, outcome, run_s)
+        if self._idle is not None and not self._running and not self._queued:
+            self._idle.set()
+
+    def _finish(
+        self, batch: list[_Pending], started: float, outcome: _Outcome, run_s: float
+    ) -> None:
+        # run_s is the backend's own time (measured on the thread that ran it), so the
+        # inline decision is not skewed by the thread hand-off.
+        avg = self._avg_batch_s
+        self._avg_batch_s = run_s if avg is None else avg + 0.1 * (run_s - avg)
+        if isinstance(outcome, BaseException):
+            if isinstance(outcome, RunnerError):
+                err: BaseException = outcome
+            else:  # a backend bug must not leave requests hanging
+                log.error("inference failed unexpectedly", exc_info=outcome)
+                err = InferenceError(f"backend failed: {type(outcome).__name__}: {outcome}")
             for p in batch:
                 if not p.future.done():
                     p.future.set_exception(err)
         else:
-            for p, out in zip(batch, outputs, strict=True):
+            for p, out in zip(batch, outcome, strict=True):
                 if not p.future.done():
                     p.future.set_result(out)
-        finally:
-            run_s = time.perf_counter() - started
-            self._avg_batch_s += 0.1 * (run_s - self._avg_batch_s)
-            instance.rows_in_flight = 0
-            instance.mark(False)
-            if self._observer.on_batch is not None:
-                wait = started - min(p.enqueued for p in batch)
-                self._observer.on_batch(sum(p.rows for p in batch), len(batch), wait, run_s)
-            assert self._wakeup is not None
-            self._wakeup.set()
+        if self._observer.on_batch is not None:
+            wait = started - min(p.enqueued for p in batch)
+            self._observer.on_batch(sum(p.rows for p in batch), len(batch), wait, run_s)
+        if self._queued:
+            self._pump()
 
     async def close(self, *, drain: bool = True) -> None:
         """Stop taking requests; with ``drain`` finish everything queued and running first."""
@@ -347,22 +388,41 @@ class DynamicBatcher:
                     if not p.future.done():
                         p.future.set_exception(BatcherClosedError("model version unloaded"))
             self._queued = 0
+        if self._delay_timer is not None:
+            self._delay_timer.cancel()
+            self._delay_timer = None
         while self._queued or self._running:
-            if self._running:
-                await asyncio.gather(*list(self._running), return_exceptions=True)
-            else:  # queued work and a free instance: let the dispatcher start it
-                assert self._wakeup is not None
-                self._wakeup.set()
-                await asyncio.sleep(0)
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            self._idle = asyncio.Event()
+            self._pump()
+            if self._queued or self._running:
+                await self._idle.wait()
         if self._own_executor:
             self._executor.shutdown(wait=False)
 
 
-def _run_batch(runner: ModelRunner, batch: list[_Pending], batchable: bool) -> list[dict[str, Array]]:
+def _expire(future: asyncio.Future[Any], timeout: float) -> None:
+    if not future.done():
+        future.set_exception(DeadlineExceededError(f"no answer within {timeout:g} s"))
+
+
+_Outcome = list[dict[str, Array]] | BaseException
+
+
+def _timed_run(
+    runner: ModelRunner, batch: list[_Pending], batchable: bool
+) -> tuple[_Outcome, float]:
+    """Run a batch; return its outputs (or the exception it raised) and the seconds it took."""
+    t0 = time.perf_counter()
+    try:
+        outcome: _Outcome = _run_batch(runner, batch, batchable)
+    except Exception as e:
+        outcome = e
+    return outcome, time.perf_counter() - t0
+
+
+def _run_batch(
+    runner: ModelRunner, batch: list[_Pending], batchable: bool
+) -> list[dict[str, Array]]:
     """Worker-thread side: stack the requests, run once, split the outputs by rows."""
     if len(batch) == 1:
         return [runner.run(batch[0].feeds)]

@@ -34,9 +34,7 @@ def synthetic_inputs(info: RunnerInfo, batch: int) -> dict[str, Array]:
     rng = np.random.default_rng(0)
     feeds: dict[str, Array] = {}
     for spec in info.inputs:
-        shape = tuple(
-            (batch if i == 0 else 1) if d < 0 else d for i, d in enumerate(spec.shape)
-        )
+        shape = tuple((batch if i == 0 else 1) if d < 0 else d for i, d in enumerate(spec.shape))
         dt = spec.datatype.numpy_dtype
         if dt.kind == "f":
             feeds[spec.name] = rng.random(shape).astype(dt)

@@ -88,9 +88,8 @@ def load_runner(
             ``'coreml'``, ``'openvino'``, ``'xnnpack'``...) to try that provider first, even
             when the profile marks it ``opt_in``. For ``.tflite``, ``'xnnpack'`` enables the
             XNNPACK delegate and ``'cpu'`` disables it.
-        threads: intra-op threads; ``None`` takes the profile's ``intra_op_threads`` (0: for
-            onnxruntime, its own choice of one per physical core; for TFLite, one per CPU
-            this process may use).
+        threads: intra-op threads; ``None`` takes the profile's ``intra_op_threads``; 0 means
+            :func:`auto_threads` (half the CPUs this process may use, at least one).
 
     Raises:
         ModelLoadError: unknown extension, or the model does not load.
@@ -105,6 +104,11 @@ def load_runner(
             f"(formats: {', '.join(profile.runtime.formats)})"
         )
     intra = profile.runtime.intra_op_threads if threads is None else threads
+    if intra == 0:
+        # Half the CPUs this process may use: the event loop, the HTTP parsing and other
+        # instances need the rest. On a 2-core box one backend thread halves the CPU per
+        # request against onnxruntime's own choice (bench/local_inference.py).
+        intra = auto_threads()
     if fmt == "onnx":
         if backend == "tflite":
             raise BackendUnavailableError(f"{model_path.name}: tflite cannot run an .onnx model")
@@ -117,7 +121,7 @@ def load_runner(
         )
     return TFLiteRunner(
         model_path,
-        num_threads=intra or _usable_cpus(),
+        num_threads=intra,
         use_xnnpack=_tflite_uses_xnnpack(model_path, profile, backend),
     )
 
@@ -161,6 +165,11 @@ def _tflite_uses_xnnpack(model_path: Path, profile: HardwareProfile, backend: st
         f"{model_path.name}: backend {backend!r} does not apply to .tflite models "
         "(use 'xnnpack' or 'cpu')"
     )
+
+
+def auto_threads() -> int:
+    """Backend threads when the profile says 0 (auto): half the usable CPUs, at least one."""
+    return max(1, _usable_cpus() // 2)
 
 
 def _usable_cpus() -> int:

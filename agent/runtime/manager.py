@@ -22,7 +22,7 @@ import hashlib
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,11 @@ class ModelManager:
         self._shadow_tasks: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------------- queries
+    @property
+    def loaded_names(self) -> Collection[str]:
+        """Names with at least one loaded version (cheap membership test)."""
+        return self._slots.keys()
+
     def names(self) -> list[str]:
         return sorted(n for n, s in self._slots.items() if s.stable is not None)
 
@@ -258,8 +263,13 @@ class ModelManager:
             self._install(lv, role, canary_weight, max_error_rate)
         log.info(
             "loaded %s %s as %s on %s/%s (load %.0f ms, warm-up %.0f ms)",
-            source.name, source.version, role, lv.info.backend, lv.info.provider,
-            load_s * 1000, warmup_s * 1000,
+            source.name,
+            source.version,
+            role,
+            lv.info.backend,
+            lv.info.provider,
+            load_s * 1000,
+            warmup_s * 1000,
         )
         return lv
 
@@ -269,12 +279,18 @@ class ModelManager:
         depth = m.queue_depth.labels(name, version)
         max_rows = self.batching.max_batch_size
 
+        size = m.batch_size.labels(name)
+        fill, wait, run = (
+            m.batch_fill.labels(name),
+            m.queue_wait.labels(name),
+            m.run_time.labels(name),
+        )
+
         def on_batch(rows: int, requests: int, wait_s: float, run_s: float) -> None:
-            m.batch_size.labels(name).observe(rows)
-            m.batch_requests.labels(name).observe(requests)
-            m.batch_fill.labels(name).observe(min(1.0, rows / max_rows))
-            m.queue_wait.labels(name).observe(wait_s)
-            m.run_time.labels(name).observe(run_s)
+            size.observe(rows)
+            fill.observe(min(1.0, rows / max_rows))
+            wait.observe(wait_s)
+            run.observe(run_s)
 
         observer = BatchObserver(on_batch=on_batch, on_queue_depth=depth.set)
         return DynamicBatcher(runners, self.batching, observer=observer)
@@ -318,7 +334,9 @@ class ModelManager:
         for slot in self._slots.values():
             for lv in slot.versions.values():
                 role = slot.role_of(lv.version)
-                m.model_info.labels(slot.name, lv.version, role, lv.info.backend, lv.info.provider).set(1)
+                m.model_info.labels(
+                    slot.name, lv.version, role, lv.info.backend, lv.info.provider
+                ).set(1)
         m.models_loaded.set(sum(len(s.versions) for s in self._slots.values()))
 
     async def unload(self, name: str, version: str | None = None) -> None:
@@ -366,7 +384,9 @@ class ModelManager:
             )
 
     # ----------------------------------------------------------------- serving
-    def route(self, name: str, version: str | None = None, request_key: str | None = None) -> LoadedVersion:
+    def route(
+        self, name: str, version: str | None = None, request_key: str | None = None
+    ) -> LoadedVersion:
         """Pick the version that answers a request (see the module docstring)."""
         slot = self.slot(name)
         if version is not None:
@@ -434,11 +454,17 @@ class ModelManager:
             log.warning(
                 "canary %s %s taken out of rotation: error rate %.1f%% over %d requests "
                 "(limit %.1f%%); stable %s serves all traffic",
-                slot.name, canary.version, canary.error_rate * 100, len(canary.results),
-                canary.max_error_rate * 100, slot.stable,
+                slot.name,
+                canary.version,
+                canary.error_rate * 100,
+                len(canary.results),
+                canary.max_error_rate * 100,
+                slot.stable,
             )
 
-    def _start_shadow(self, slot: ModelSlot, feeds: dict[str, Array], stable_out: dict[str, Array]) -> None:
+    def _start_shadow(
+        self, slot: ModelSlot, feeds: dict[str, Array], stable_out: dict[str, Array]
+    ) -> None:
         shadow = slot.shadow
         assert shadow is not None
         if shadow.pending >= shadow.max_pending:
@@ -447,13 +473,19 @@ class ModelManager:
             return
         lv = slot.versions[shadow.version]
         shadow.pending += 1
-        task = asyncio.get_running_loop().create_task(self._shadow(slot, shadow, lv, feeds, stable_out))
+        task = asyncio.get_running_loop().create_task(
+            self._shadow(slot, shadow, lv, feeds, stable_out)
+        )
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
 
     async def _shadow(
-        self, slot: ModelSlot, shadow: ShadowState, lv: LoadedVersion,
-        feeds: dict[str, Array], stable_out: dict[str, Array],
+        self,
+        slot: ModelSlot,
+        shadow: ShadowState,
+        lv: LoadedVersion,
+        feeds: dict[str, Array],
+        stable_out: dict[str, Array],
     ) -> None:
         t0 = time.perf_counter()
         try:
@@ -469,7 +501,9 @@ class ModelManager:
         shadow.compared += 1
         shadow.agreed += agree
         self.metrics.shadow_comparisons.labels(slot.name, "agree" if agree else "disagree").inc()
-        self.metrics.shadow_agreement.labels(slot.name, shadow.version).set(shadow.agreed / shadow.compared)
+        self.metrics.shadow_agreement.labels(slot.name, shadow.version).set(
+            shadow.agreed / shadow.compared
+        )
 
     async def wait_for_shadows(self) -> None:
         """Wait for shadow comparisons started so far (tests and shutdown)."""

@@ -11,6 +11,7 @@ several (the control plane's ingest).
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypeVar
 
 import orjson
@@ -19,10 +20,12 @@ from pydantic import ValidationError
 from shared.errors import MessageError
 from shared.protocol import topics
 from shared.protocol.base import Message
-from shared.protocol.command import CommandReply, CommandRequest
-from shared.protocol.inference import InferRequest
-from shared.protocol.state import DeploymentEvent, ReportedState
-from shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
+from shared.protocol.inference import (
+    MAX_TENSOR_ELEMENTS,
+    Datatype,
+    InferRequest,
+    InferTensor,
+)
 
 M = TypeVar("M", bound=Message)
 
@@ -56,6 +59,68 @@ def decode(
     return validate(obj, cls)
 
 
+_REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
+_TENSOR_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
+_DATATYPES = {d.value: d for d in Datatype}
+
+
+def decode_infer_request(
+    payload: bytes | bytearray | memoryview | str, *, max_bytes: int | None = None
+) -> InferRequest:
+    """:func:`decode` for :class:`InferRequest`, fast on the common well-formed body.
+
+    A body that plainly fits the schema (the checks below mirror it) is built without
+    re-validating every element of ``data``; anything else goes through full validation, so
+    errors and their messages are exactly those of :func:`decode`.
+    """
+    cap = InferRequest.MAX_BYTES if max_bytes is None else min(max_bytes, InferRequest.MAX_BYTES)
+    obj = loads(payload, max_bytes=cap)
+    fast = _fast_infer_request(obj)
+    return fast if fast is not None else validate(obj, InferRequest)
+
+
+def _fast_infer_request(obj: Any) -> InferRequest | None:
+    if type(obj) is not dict or not obj.keys() <= _REQUEST_KEYS:
+        return None
+    rid, params, inputs, outputs = (
+        obj.get("id"),
+        obj.get("parameters"),
+        obj.get("inputs"),
+        obj.get("outputs"),
+    )
+    if (rid is not None and (type(rid) is not str or len(rid) > 256)) or (
+        params is not None and type(params) is not dict
+    ):
+        return None
+    if outputs is not None or type(inputs) is not list or not 1 <= len(inputs) <= 64:
+        return None  # requested outputs are rare: full validation
+    tensors = []
+    for t in inputs:
+        if type(t) is not dict or not t.keys() <= _TENSOR_KEYS:
+            return None
+        name, shape, dtype, data = t.get("name"), t.get("shape"), t.get("datatype"), t.get("data")
+        tparams = t.get("parameters")
+        if type(name) is not str or not 1 <= len(name) <= 256 or type(data) is not list:
+            return None
+        if type(shape) is not list or len(shape) > 16:
+            return None
+        if any(type(d) is not int or d < 0 for d in shape):
+            return None
+        if math.prod(shape) > MAX_TENSOR_ELEMENTS or (
+            tparams is not None and type(tparams) is not dict
+        ):
+            return None
+        datatype = _DATATYPES.get(dtype) if type(dtype) is str else None
+        if datatype is None:
+            return None
+        tensors.append(
+            InferTensor.model_construct(
+                name=name, shape=shape, datatype=datatype, parameters=tparams, data=data
+            )
+        )
+    return InferRequest.model_construct(id=rid, parameters=params, inputs=tensors, outputs=None)
+
+
 def validate(obj: Any, cls: type[M]) -> M:
     """Validate an already-parsed JSON value as ``cls`` (see :func:`decode`)."""
     try:
@@ -73,20 +138,6 @@ def describe_validation_error(e: ValidationError) -> str:
     return f"{loc}: {first.get('msg', 'invalid')}{more}"
 
 
-_BY_CHANNEL: dict[topics.Channel, type[Message]] = {
-    topics.Channel.REPORTED: ReportedState,
-    topics.Channel.EVENTS: DeploymentEvent,
-    topics.Channel.COMMAND: CommandRequest,
-    topics.Channel.COMMAND_REPLY: CommandReply,
-    topics.Channel.INFER: InferRequest,
-}
-_BY_TELEMETRY: dict[topics.TelemetryKind, type[Message]] = {
-    topics.TelemetryKind.HEALTH: HealthSample,
-    topics.TelemetryKind.INFERENCE: InferenceStats,
-    topics.TelemetryKind.DRIFT: DriftReport,
-}
-
-
 def schema_for_topic(topic: topics.Topic) -> type[Message] | None:
     """The message class a topic carries, or None for topics whose payload is not a Message
     (status strings, signed envelopes, repository traffic)."""
@@ -94,9 +145,27 @@ def schema_for_topic(topic: topics.Topic) -> type[Message] | None:
         return InferRequest
     if not isinstance(topic, topics.DeviceTopic):
         return None
+    # Imported here so a process that only decodes inference requests (the agent's HTTP
+    # path) does not load every message family.
+    from shared.protocol.command import CommandReply, CommandRequest
+    from shared.protocol.state import DeploymentEvent, ReportedState
+    from shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
+
     if topic.channel is topics.Channel.TELEMETRY:
-        return _BY_TELEMETRY[topics.TelemetryKind(topic.detail)]
-    return _BY_CHANNEL.get(topic.channel)
+        by_kind: dict[topics.TelemetryKind, type[Message]] = {
+            topics.TelemetryKind.HEALTH: HealthSample,
+            topics.TelemetryKind.INFERENCE: InferenceStats,
+            topics.TelemetryKind.DRIFT: DriftReport,
+        }
+        return by_kind[topics.TelemetryKind(topic.detail)]
+    by_channel: dict[topics.Channel, type[Message]] = {
+        topics.Channel.REPORTED: ReportedState,
+        topics.Channel.EVENTS: DeploymentEvent,
+        topics.Channel.COMMAND: CommandRequest,
+        topics.Channel.COMMAND_REPLY: CommandReply,
+        topics.Channel.INFER: InferRequest,
+    }
+    return by_channel.get(topic.channel)
 
 
 def decode_for_topic(

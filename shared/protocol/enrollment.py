@@ -99,7 +99,9 @@ def verify_enrollment(envelope: object, *, now: datetime) -> EnrollmentRequest:
     :class:`ExpiredError`.
     """
     if not isinstance(envelope, dict) or not isinstance(envelope.get("signed"), dict):
-        raise MessageError('enrollment must be a signed envelope {"signed": ..., "signatures": [...]}')
+        raise MessageError(
+            'enrollment must be a signed envelope {"signed": ..., "signatures": [...]}'
+        )
     try:
         request = EnrollmentRequest.model_validate(envelope["signed"])
     except ValueError as e:

@@ -13,7 +13,7 @@ import math
 from typing import Any, ClassVar
 
 import numpy as np
-from pydantic import Field, field_validator
+from pydantic import Field, StrictInt, field_validator
 
 from shared.errors import MessageError
 from shared.protocol.base import Identifier, Message
@@ -38,16 +38,16 @@ class Datatype(str, enum.Enum):
 
     @property
     def numpy_dtype(self) -> np.dtype[Any]:
-        return np.dtype(_TO_NUMPY[self])
+        return _NUMPY_DTYPES[self]
 
     @classmethod
     def from_numpy(cls, dtype: np.dtype[Any]) -> Datatype:
         """The protocol datatype for a numpy dtype; raises :class:`MessageError` if none fits."""
+        found = _FROM_KIND_SIZE.get((dtype.kind, dtype.itemsize))
+        if found is not None:
+            return found
         if dtype.kind in ("U", "S", "O"):
             return cls.BYTES
-        for dt, name in _TO_NUMPY.items():
-            if dt is not cls.BYTES and np.dtype(name) == dtype:
-                return dt
         raise MessageError(f"numpy dtype {dtype} has no Open Inference Protocol datatype")
 
 
@@ -66,13 +66,18 @@ _TO_NUMPY: dict[Datatype, str] = {
     Datatype.FP64: "float64",
     Datatype.BYTES: "object",
 }
+_NUMPY_DTYPES: dict[Datatype, np.dtype[Any]] = {d: np.dtype(n) for d, n in _TO_NUMPY.items()}
+# Keyed by (kind, itemsize) so any byte order maps; a dict lookup on the response hot path.
+_FROM_KIND_SIZE: dict[tuple[str, int], Datatype] = {
+    (dt.kind, dt.itemsize): d for d, dt in _NUMPY_DTYPES.items() if d is not Datatype.BYTES
+}
 
 
 class InferTensor(Message):
     """One named tensor (a request input or a response output)."""
 
     name: str = Field(min_length=1, max_length=256)
-    shape: list[int] = Field(max_length=16)
+    shape: list[StrictInt] = Field(max_length=16)
     datatype: Datatype
     parameters: dict[str, Any] | None = None
     data: list[Any]
@@ -124,14 +129,14 @@ class InferTensor(Message):
                         raise MessageError(
                             f"input {self.name!r}: values out of range for {self.datatype.value}"
                         )
-                with np.errstate(over="ignore"):
-                    arr = raw.astype(dt, copy=False).reshape(-1)
-                if dt.kind == "f" and raw.dtype.kind == "f" and not np.array_equal(
-                    np.isfinite(arr), np.isfinite(raw.reshape(-1))
-                ):
+                # JSON carries no NaN/Infinity, so one max() tells whether a value would
+                # overflow a narrower float.
+                narrowing = dt.kind == "f" and dt.itemsize < raw.dtype.itemsize and raw.size
+                if narrowing and float(np.abs(raw).max()) > float(np.finfo(dt).max):
                     raise MessageError(
                         f"input {self.name!r}: values out of range for {self.datatype.value}"
                     )
+                arr = raw.astype(dt, copy=False).reshape(-1)
         except ValueError as e:  # ragged nesting, unconvertible values
             raise MessageError(f"input {self.name!r}: data is not a regular array ({e})") from e
         if arr.size != want:
@@ -147,7 +152,9 @@ class InferTensor(Message):
             raise MessageError(f"input {self.name!r}: {self.datatype.value} data must be integers")
         info = np.iinfo(dt)
         if any(v < info.min or v > info.max for v in values):
-            raise MessageError(f"input {self.name!r}: values out of range for {self.datatype.value}")
+            raise MessageError(
+                f"input {self.name!r}: values out of range for {self.datatype.value}"
+            )
         return values.astype(dt)
 
     @classmethod
@@ -163,7 +170,9 @@ class InferTensor(Message):
             ]
         else:
             data = flat.tolist()
-        return cls(name=name, shape=list(array.shape), datatype=dt, parameters=parameters, data=data)
+        return cls(
+            name=name, shape=list(array.shape), datatype=dt, parameters=parameters, data=data
+        )
 
 
 class RequestedOutput(Message):

@@ -281,7 +281,7 @@ async def test_overload_gets_429_and_deadline_gets_504(tmp_path: Path, serve: An
     runner = DoublingRunner()
     client, manager, *_ = await serve(
         model.parent, factory=lambda s: [runner],
-        batching=BatchingConfig(max_batch_size=1, max_queue=4),
+        batching=BatchingConfig(max_batch_size=1, max_queue=4, inline_below_s=0),
     )
     runner.gate.clear()
     runner.entered.clear()
