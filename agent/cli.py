@@ -25,7 +25,9 @@ def profiles_cmd(as_json: bool) -> None:
     """List the hardware profiles this agent ships with and their backend order."""
     profiles = load_profiles()
     if as_json:
-        click.echo(json.dumps({n: p.model_dump(mode="json") for n, p in profiles.items()}, indent=2))
+        click.echo(
+            json.dumps({n: p.model_dump(mode="json") for n, p in profiles.items()}, indent=2)
+        )
         return
     width = max(len(n) for n in profiles)
     for name, p in profiles.items():
@@ -37,18 +39,36 @@ def profiles_cmd(as_json: bool) -> None:
 
 
 @main.command("doctor")
-@click.option("--profile", "profile_name", metavar="NAME",
-              help="Use this profile instead of the detected one (see `mcp-agent profiles`).")
-@click.option("--backend", metavar="NAME",
-              help="Show the order with this backend tried first: cpu, cuda, tensorrt, coreml, "
-                   "openvino, xnnpack, ... (opt-in ones are only used when named here).")
+@click.option(
+    "--profile",
+    "profile_name",
+    metavar="NAME",
+    help="Use this profile instead of the detected one (see `mcp-agent profiles`).",
+)
+@click.option(
+    "--backend",
+    metavar="NAME",
+    help="Show the order with this backend tried first: cpu, cuda, tensorrt, coreml, "
+    "openvino, xnnpack, ... (opt-in ones are only used when named here).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-@click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("/"),
-              hidden=True, help="Read /proc, /etc and /dev under this directory (tests).")
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("/"),
+    hidden=True,
+    help="Read /proc, /etc and /dev under this directory (tests).",
+)
 @click.option("--system", hidden=True, help="Pretend platform.system() is this (tests).")
 @click.option("--machine", hidden=True, help="Pretend platform.machine() is this (tests).")
-def doctor_cmd(profile_name: str | None, backend: str | None, as_json: bool, root: Path,
-               system: str | None, machine: str | None) -> None:
+def doctor_cmd(
+    profile_name: str | None,
+    backend: str | None,
+    as_json: bool,
+    root: Path,
+    system: str | None,
+    machine: str | None,
+) -> None:
     """Show what this box is, which hardware profile fits it and why, and which backends load.
 
     Exits 0 after a full report, 1 when no profile fits this box (pass --profile), and 2 for an
@@ -98,9 +118,13 @@ def _backend_plan(profile: HardwareProfile, backend: str | None) -> dict[str, An
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--backend'") from e
     listed = [
-        {"name": b.name, "provider": b.provider, "opt_in": b.opt_in,
-         "flag": "tflite" if b.name == "tflite" else flag_of.get(b.provider, b.provider),
-         "offered_here": b.provider in offered if b.name == "onnxruntime" else None}
+        {
+            "name": b.name,
+            "provider": b.provider,
+            "opt_in": b.opt_in,
+            "flag": "tflite" if b.name == "tflite" else flag_of.get(b.provider, b.provider),
+            "offered_here": b.provider in offered if b.name == "onnxruntime" else None,
+        }
         for b in profile.runtime.backends
     ]
     return {
@@ -136,10 +160,15 @@ def _render_doctor(report: dict[str, Any], noted_flags: list[str]) -> str:
     flags = set(f["cpu_flags"])
     l4t = f"R{f['l4t_release']}.{f['l4t_revision'] or '?'}" if f["l4t_release"] else None
     host = [
-        ("os", f["os"]), ("arch", f["arch"]), ("cpu model", f["cpu_model"]),
+        ("os", f["os"]),
+        ("arch", f["arch"]),
+        ("cpu model", f["cpu_model"]),
         ("cpu count", f["cpu_count"]),
-        ("cpu flags", f"{len(flags)} flags; " + ", ".join(
-            f"{n} {'yes' if n in flags else 'no'}" for n in noted_flags)),
+        (
+            "cpu flags",
+            f"{len(flags)} flags; "
+            + ", ".join(f"{n} {'yes' if n in flags else 'no'}" for n in noted_flags),
+        ),
         ("memory", f"{f['mem_total_mb']} MiB" if f["mem_total_mb"] else None),
         ("device-tree model", f["device_tree_model"]),
         ("L4T", f"{l4t} (JetPack {f['jetpack'] or 'unknown'})" if l4t else None),
@@ -151,8 +180,11 @@ def _render_doctor(report: dict[str, Any], noted_flags: list[str]) -> str:
         lines += [f"Profile: none ({report['error']})", ""]
     else:
         how = "chosen by --profile" if report["overridden"] else "detected"
-        lines += [f"Profile: {report['profile']} ({how})",
-                  *(f"  - {r}" for r in report["reasons"]), ""]
+        lines += [
+            f"Profile: {report['profile']} ({how})",
+            *(f"  - {r}" for r in report["reasons"]),
+            "",
+        ]
     lines += _section("Not chosen", list(report["rejected"].items()))
     if report["profile"] is not None:
         lines += _render_backends(report)
@@ -183,9 +215,9 @@ def _render_backends(report: dict[str, Any]) -> list[str]:
         rows.append((".onnx models", "profile does not run .onnx models"))
     rows.append((".tflite models", report["tflite"]))
     title = f"Backends of {report['profile']}" + (
-        f" with --backend {report['backend_requested']}" if requested else "")
+        f" with --backend {report['backend_requested']}" if requested else ""
+    )
     return _section(title, rows)
-
 
 
 main.add_command(serve_command)

@@ -29,22 +29,39 @@ READ_CAP_BYTES = 2 * 1024 * 1024
 MAX_TEXT_CHARS, MAX_FLAGS, MAX_FLAG_CHARS = 200, 256, 32
 """Caps on what facts keep (model strings; CPU flags), so they fit in an enrollment request."""
 
-RELEVANT_PACKAGES = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "ai-edge-litert",
-                     "tflite-runtime", "openvino", "tensorrt")
+RELEVANT_PACKAGES = (
+    "onnxruntime",
+    "onnxruntime-gpu",
+    "onnxruntime-openvino",
+    "ai-edge-litert",
+    "tflite-runtime",
+    "openvino",
+    "tensorrt",
+)
 """Distributions whose presence decides which backends can load (looked up by name)."""
 
 JETPACK_BY_L4T = {32: "4.x", 35: "5.x", 36: "6.x", 38: "7.x"}
 """L4T major release -> JetPack line (NVIDIA's release table)."""
 
 _GPU_MARKERS = (
-    ("/dev/nvhost-ctrl-gpu", "Tegra integrated GPU"), ("/dev/nvgpu/igpu0/ctrl", "Tegra GPU"),
-    ("/dev/nvidia0", "NVIDIA GPU device node"), ("/dev/dri/renderD128", "DRM render node"),
+    ("/dev/nvhost-ctrl-gpu", "Tegra integrated GPU"),
+    ("/dev/nvgpu/igpu0/ctrl", "Tegra GPU"),
+    ("/dev/nvidia0", "NVIDIA GPU device node"),
+    ("/dev/dri/renderD128", "DRM render node"),
 )
 _L4T_RE = re.compile(r"#\s*R([0-9]{1,4})\s*\(release\),\s*REVISION:\s*([0-9][0-9.]{0,15})")
 # ARM Ltd. (implementer 0x41) core part numbers, as printed in /proc/cpuinfo "CPU part".
-_ARM_PARTS = {"0xd03": "Cortex-A53", "0xd07": "Cortex-A57", "0xd08": "Cortex-A72",
-              "0xd0b": "Cortex-A76", "0xd0c": "Neoverse-N1", "0xd40": "Neoverse-V1",
-              "0xd42": "Cortex-A78AE", "0xd49": "Neoverse-N2", "0xd4f": "Neoverse-V2"}
+_ARM_PARTS = {
+    "0xd03": "Cortex-A53",
+    "0xd07": "Cortex-A57",
+    "0xd08": "Cortex-A72",
+    "0xd0b": "Cortex-A76",
+    "0xd0c": "Neoverse-N1",
+    "0xd40": "Neoverse-V1",
+    "0xd42": "Cortex-A78AE",
+    "0xd49": "Neoverse-N2",
+    "0xd4f": "Neoverse-V2",
+}
 
 
 class HardwareError(McpError):
@@ -92,16 +109,24 @@ class HostFacts:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON types only: sets become sorted lists, mappings plain dicts."""
-        return {**asdict(self), "cpu_flags": sorted(self.cpu_flags),
-                "gpu_hints": list(self.gpu_hints), "files_present": sorted(self.files_present),
-                "packages": dict(sorted(self.packages.items()))}
+        return {
+            **asdict(self),
+            "cpu_flags": sorted(self.cpu_flags),
+            "gpu_hints": list(self.gpu_hints),
+            "files_present": sorted(self.files_present),
+            "packages": dict(sorted(self.packages.items())),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HostFacts:
         """Inverse of :meth:`to_dict` (unknown keys are ignored, so newer agents stay readable)."""
         kw = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
-        for key, kind in (("cpu_flags", frozenset), ("files_present", frozenset),
-                          ("gpu_hints", tuple), ("packages", dict)):
+        for key, kind in (
+            ("cpu_flags", frozenset),
+            ("files_present", frozenset),
+            ("gpu_hints", tuple),
+            ("packages", dict),
+        ):
             kw[key] = kind(kw.get(key) or ())
         return cls(**kw)
 
@@ -119,9 +144,13 @@ class ProfileChoice:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form: the profile by name."""
-        return {"profile": self.profile.name, "overridden": self.overridden,
-                "detected": self.detected, "reasons": list(self.reasons),
-                "rejected": dict(self.rejected)}
+        return {
+            "profile": self.profile.name,
+            "overridden": self.overridden,
+            "detected": self.detected,
+            "reasons": list(self.reasons),
+            "rejected": dict(self.rejected),
+        }
 
 
 def _read_text(path: Path, cap: int = READ_CAP_BYTES) -> str | None:
@@ -266,15 +295,20 @@ def _contains(what: str, value: str | None, needles: list[str]) -> _Rule:
     wanted = " or ".join(map(repr, needles))
     if hit:
         return _Rule(True, f"{what} {value!r} contains {hit!r}")
-    return _Rule(False, f"{what} {value!r} does not contain {wanted}" if value
-                 else f"no {what} (needs {wanted})")
+    return _Rule(
+        False,
+        f"{what} {value!r} does not contain {wanted}" if value else f"no {what} (needs {wanted})",
+    )
 
 
 def _l4t_rule(facts: HostFacts, profile: HardwareProfile, minimum: int) -> _Rule:
     label = profile.name.replace("-", " ").title()
     need_jp = JETPACK_BY_L4T.get(minimum, "").replace(".x", ".0+")
-    need = (f"{label} needs JetPack {need_jp} (L4T R{minimum})" if need_jp
-            else f"{label} needs L4T R{minimum} or newer")
+    need = (
+        f"{label} needs JetPack {need_jp} (L4T R{minimum})"
+        if need_jp
+        else f"{label} needs L4T R{minimum} or newer"
+    )
     have = facts.l4t_release
     if have is None:
         return _Rule(False, f"L4T release unknown; {need}", True)
@@ -298,8 +332,9 @@ def _evaluate(facts: HostFacts, profile: HardwareProfile) -> list[_Rule]:
         ok = path in facts.files_present
         rules.append(_Rule(ok, f"file {path} {'present' if ok else 'missing'}"))
     if d.device_tree_model_contains:
-        rules.append(_contains("device-tree model", facts.device_tree_model,
-                               d.device_tree_model_contains))
+        rules.append(
+            _contains("device-tree model", facts.device_tree_model, d.device_tree_model_contains)
+        )
     if d.cpuinfo_model_contains:
         rules.append(_contains("cpu model", facts.cpu_model, d.cpuinfo_model_contains))
     if d.min_l4t_release is not None:
@@ -342,20 +377,26 @@ def select_profile(
     if override is None:
         if detected is None:
             raise NoProfileError(rejected)
-        why = (f"{detected.name}: highest-priority profile whose rules all match "
-               f"(priority {detected.priority})")
+        why = (
+            f"{detected.name}: highest-priority profile whose rules all match "
+            f"(priority {detected.priority})"
+        )
         reasons = [*refusals, why, *(r.text for r in results[detected.name])]
         return ProfileChoice(detected, reasons, rejected, False, detected.name)
     chosen = profiles[override]
     misses = [r.text for r in results[override] if not r.ok]
     head = f"{override}: chosen by --profile; " + (
-        "its rules all match this box" if not misses
-        else f"its rules do NOT match this box ({'; '.join(misses)})")
+        "its rules all match this box"
+        if not misses
+        else f"its rules do NOT match this box ({'; '.join(misses)})"
+    )
     auto = detected.name if detected else None
-    reasons = [head, f"auto-detection would pick {auto or 'no profile'}",
-               *(r.text for r in results[override] if r.ok)]
+    reasons = [
+        head,
+        f"auto-detection would pick {auto or 'no profile'}",
+        *(r.text for r in results[override] if r.ok),
+    ]
     rejected.pop(override, None)
     if detected is not None and detected.name != override:
         rejected[detected.name] = f"matches, but --profile {override} was given"
     return ProfileChoice(chosen, reasons, rejected, True, auto)
-

@@ -380,6 +380,10 @@ def build_app(manager: ModelManager, *, max_body: int = DEFAULT_MAX_BODY) -> web
     app[METRICS] = manager.metrics
     h = Handlers(manager, manager.metrics, max_body)
     r = app.router
+    # aiohttp resolves routes in registration order: the inference routes come first.
+    r.add_post("/v2/models/{model}/infer", h.infer_v2)
+    r.add_post("/v2/models/{model}/versions/{version}/infer", h.infer_v2)
+    r.add_post("/v1/infer", h.infer_v1)
     r.add_get("/v2", h.server_metadata)
     r.add_get("/v2/health/live", h.live)
     r.add_get("/v2/health/ready", h.ready)
@@ -387,9 +391,6 @@ def build_app(manager: ModelManager, *, max_body: int = DEFAULT_MAX_BODY) -> web
     r.add_get("/v2/models/{model}/versions/{version}", h.model_metadata)
     r.add_get("/v2/models/{model}/ready", h.model_ready)
     r.add_get("/v2/models/{model}/versions/{version}/ready", h.model_ready)
-    r.add_post("/v2/models/{model}/infer", h.infer_v2)
-    r.add_post("/v2/models/{model}/versions/{version}/infer", h.infer_v2)
-    r.add_post("/v1/infer", h.infer_v1)
     r.add_get("/healthz", h.live)
     r.add_get("/readyz", h.ready)
     r.add_get("/metrics", h.metrics_endpoint)
