@@ -3,8 +3,10 @@ agreement test shadow mode uses."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -70,10 +72,19 @@ def check_outputs(info: RunnerInfo, outputs: dict[str, Array], batch: int) -> No
             raise ModelLoadError(f"warm-up: output {spec.name!r} holds NaN or infinity")
 
 
-def warm_up(runners: Sequence[ModelRunner]) -> float:
-    """Run synthetic inputs through every instance (batch 1, and 8 when batchable) and check
-    the outputs; return seconds spent. Raises :class:`ModelLoadError`."""
+@dataclass(frozen=True)
+class WarmUp:
+    seconds: float
+    """Time the whole warm-up took."""
+    run_s: float
+    """Median time of one batch-1 run after the first (what a lone request costs)."""
+
+
+def warm_up(runners: Sequence[ModelRunner], repeats: int = 5) -> WarmUp:
+    """Run synthetic inputs through every instance (batch 1, and 8 when batchable), check the
+    outputs, and time a few more batch-1 runs. Raises :class:`ModelLoadError`."""
     t0 = time.perf_counter()
+    timings: list[float] = []
     for runner in runners:
         info = runner.info
         for batch in (1, 8) if info.batchable else (1,):
@@ -82,4 +93,12 @@ def warm_up(runners: Sequence[ModelRunner]) -> float:
             except RunnerError as e:
                 raise ModelLoadError(f"warm-up failed: {e}") from e
             check_outputs(info, out, batch)
-    return time.perf_counter() - t0
+    feeds = synthetic_inputs(runners[0].info, 1)
+    for _ in range(repeats):
+        t = time.perf_counter()
+        try:
+            runners[0].run(feeds)
+        except RunnerError as e:
+            raise ModelLoadError(f"warm-up failed: {e}") from e
+        timings.append(time.perf_counter() - t)
+    return WarmUp(time.perf_counter() - t0, statistics.median(timings))

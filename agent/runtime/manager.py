@@ -250,13 +250,15 @@ class ModelManager:
             raise
         load_s = time.perf_counter() - t0
         try:
-            warmup_s = await loop.run_in_executor(None, warm_up, runners)
+            warm = await loop.run_in_executor(None, warm_up, runners)
         except RunnerError:
             self.metrics.load_failures.labels(source.name, "warmup").inc()
             for r in runners:
                 r.close()
             raise
-        lv = LoadedVersion(source, runners, self._make_batcher(source, runners), load_s, warmup_s)
+        warmup_s = warm.seconds
+        batcher = self._make_batcher(source, runners, warm.run_s)
+        lv = LoadedVersion(source, runners, batcher, load_s, warmup_s)
         self.metrics.load_seconds.labels(source.name).observe(load_s)
         self.metrics.warmup_seconds.labels(source.name).observe(warmup_s)
         async with self._lock:
@@ -273,7 +275,9 @@ class ModelManager:
         )
         return lv
 
-    def _make_batcher(self, source: ModelSource, runners: Sequence[ModelRunner]) -> DynamicBatcher:
+    def _make_batcher(
+        self, source: ModelSource, runners: Sequence[ModelRunner], run_s: float
+    ) -> DynamicBatcher:
         m = self.metrics
         name, version = source.name, source.version
         depth = m.queue_depth.labels(name, version)
@@ -293,7 +297,7 @@ class ModelManager:
             run.observe(run_s)
 
         observer = BatchObserver(on_batch=on_batch, on_queue_depth=depth.set)
-        return DynamicBatcher(runners, self.batching, observer=observer)
+        return DynamicBatcher(runners, self.batching, observer=observer, expected_run_s=run_s)
 
     def _install(self, lv: LoadedVersion, role: str, weight: float, max_error_rate: float) -> None:
         slot = self._slots.setdefault(lv.name, ModelSlot(lv.name))

@@ -214,13 +214,19 @@ async def test_canary_that_fails_is_taken_out_and_stable_answers(
     models.mkdir()
     shutil.copy(digits.onnx_path, models / "digits.onnx")
 
+    broken: list[FailingAfterWarmup] = []
+
     def factory(source: ModelSource) -> Sequence[ModelRunner]:
         runner = load_runner(source.model_path, PROFILE, threads=1)
-        return [FailingAfterWarmup(runner)] if source.version == "9.9.9" else [runner]
+        if source.version != "9.9.9":
+            return [runner]
+        broken.append(FailingAfterWarmup(runner))
+        return broken
 
     client, manager, *_ = await serve(models, factory=factory)
     await manager.load(ModelSource("digits", "9.9.9", digits.onnx_path), role="canary",
                        canary_weight=0.5)
+    broken[0].armed = True
     x = digits.X_test[:1].astype(np.float32)
     answered = []
     for i in range(120):

@@ -57,20 +57,19 @@ class DoublingRunner:
 
 
 class FailingAfterWarmup:
-    """Wraps a real runner; after ``healthy_calls`` runs, every run raises InferenceError."""
+    """Wraps a real runner; once ``armed`` (after loading and warm-up), every run raises
+    InferenceError, as a backend that breaks in production would."""
 
-    def __init__(self, inner: ModelRunner, healthy_calls: int = 2) -> None:
+    def __init__(self, inner: ModelRunner) -> None:
         self.inner = inner
-        self.calls = 0
-        self.healthy_calls = healthy_calls
+        self.armed = False
 
     @property
     def info(self) -> RunnerInfo:
         return self.inner.info
 
     def run(self, feeds: dict[str, Array]) -> dict[str, Any]:
-        self.calls += 1
-        if self.calls > self.healthy_calls:
+        if self.armed:
             raise InferenceError("simulated backend fault")
         return self.inner.run(feeds)
 
