@@ -172,6 +172,7 @@ class Handlers:
         self.metrics = metrics
         self.max_body = max_body
         self._ok: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._active = 0  # /v2 inference requests in progress (a hint for batching)
         self._payload = {p: metrics.payload_bytes.labels(p) for p in ("v1", "v2")}
 
     def _model_label(self, model: str) -> str:
@@ -255,13 +256,19 @@ class Handlers:
         t0 = time.perf_counter()
         active = self.metrics.active
         active.inc()
+        self._active += 1
         try:
             body = await self._body(request, "v2")
             req = decode_infer_request(body, max_bytes=self.max_body)
             lv, pinned, priority, timeout = self._routing(request, model)
             feeds = tensors_to_feeds(req.inputs, lv.info.inputs)
             answered, outputs = await self.manager.infer(
-                lv, feeds, pinned=pinned, priority=priority, timeout_s=timeout
+                lv,
+                feeds,
+                pinned=pinned,
+                priority=priority,
+                timeout_s=timeout,
+                busy=self._active > 1,
             )
             wanted = [o.name for o in req.outputs] if req.outputs else None
             response = _json(response_body(answered, req.id, outputs, wanted))
@@ -269,6 +276,7 @@ class Handlers:
             return self._failed(model, "v2", e)
         finally:
             active.dec()
+            self._active -= 1
         self._succeeded(answered, "v2", t0)
         return response
 

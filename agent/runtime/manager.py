@@ -96,11 +96,17 @@ class LoadedVersion:
         return self.runners[0].info
 
     async def infer(
-        self, feeds: dict[str, Array], priority: Priority, timeout_s: float | None
+        self,
+        feeds: dict[str, Array],
+        priority: Priority,
+        timeout_s: float | None,
+        busy: bool = True,
     ) -> dict[str, Array]:
         self.inflight += 1
         try:
-            return await self.batcher.infer(feeds, priority=priority, timeout_s=timeout_s)
+            return await self.batcher.infer(
+                feeds, priority=priority, timeout_s=timeout_s, busy=busy
+            )
         finally:
             self.inflight -= 1
 
@@ -414,6 +420,7 @@ class ModelManager:
         pinned: bool = False,
         priority: Priority = Priority.NORMAL,
         timeout_s: float | None = None,
+        busy: bool = True,
     ) -> tuple[LoadedVersion, dict[str, Array]]:
         """Run ``feeds`` on ``lv`` (from :meth:`route`) and return who answered and the outputs.
 
@@ -423,7 +430,7 @@ class ModelManager:
         """
         slot = self._slots.get(lv.name)
         try:
-            outputs = await lv.infer(feeds, priority, timeout_s)
+            outputs = await lv.infer(feeds, priority, timeout_s, busy)
         except BatcherClosedError:
             if pinned:
                 raise ModelNotFoundError(f"{lv.name} {lv.version} was unloaded") from None
