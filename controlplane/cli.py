@@ -1,13 +1,158 @@
-"""``mcp-controlplane``: the server-side command line."""
+"""``mcp-controlplane``: the server-side command line.
+
+    mcp-controlplane init  --data-dir D [--database-url URL] [--admin-user U --admin-password-file F]
+    mcp-controlplane serve --data-dir D [--listen HOST:PORT]
+    mcp-controlplane login | users | tokens | devices | audit ...   (REST client, see cli_fleet)
+
+Flags, environment (``MCP_DATA_DIR``, ``MCP_DATABASE_URL``, ``MCP_LISTEN``,
+``MCP_BROKER_URLS``) and ``<data dir>/controlplane.toml`` become one
+:class:`~controlplane.settings.Settings` here, and nothing below reads them again.
+"""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
 
 import click
 
 from controlplane import __version__
+from controlplane.cli_fleet import COMMANDS
+from controlplane.settings import (
+    EnrollmentApproval,
+    Settings,
+    SettingsError,
+    environment,
+    load_settings,
+)
+from shared.errors import McpError
+
+
+def default_data_dir() -> Path:
+    """``/var/lib/mcp-controlplane`` for root, else ``$XDG_DATA_HOME/mcp-controlplane``."""
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return Path("/var/lib/mcp-controlplane")
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "mcp-controlplane"
+
+
+def _settings(data_dir: Path | None, **overrides: object) -> Settings:
+    try:
+        return load_settings(
+            data_dir or default_data_dir(), environ=environment(), overrides=overrides
+        )
+    except SettingsError as e:
+        raise click.ClickException(str(e)) from e
+
+
+def _data_dir_option(func: click.decorators.FC) -> click.decorators.FC:
+    return click.option(
+        "--data-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MCP_DATA_DIR",
+        show_envvar=True, help="Where the database, config and keys live.",
+    )(func)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mcp-controlplane")
-def main() -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
+def main(verbose: bool) -> None:
     """MCP Edge control plane."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not verbose:  # Alembic narrates every plugin and context at INFO
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+@main.command()
+@_data_dir_option
+@click.option("--database-url", help="postgresql://USER@HOST/DB (default: SQLite in the data dir).")
+@click.option("--listen", help="HOST:PORT for serve (default 127.0.0.1:8080).")
+@click.option("--broker-url", "broker_urls", multiple=True,
+              help="MQTT URL given to devices; repeatable.")
+@click.option("--approval", type=click.Choice([a.value for a in EnrollmentApproval]),
+              help="token: each token decides; manual: every new device waits for approval.")
+@click.option("--admin-user", help="Create this admin (default 'admin' when there is no user).")
+@click.option("--admin-password-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Read the admin password from this file (else prompt).")
+def init(
+    data_dir: Path | None, database_url: str | None, listen: str | None,
+    broker_urls: tuple[str, ...], approval: str | None, admin_user: str | None,
+    admin_password_file: Path | None,
+) -> None:
+    """Create the data dir and database (or migrate them), and a first admin with an API token.
+
+    The API token is printed once, on stdout; everything else goes to stderr.
+    """
+    from controlplane.app import system_clock
+    from controlplane.bootstrap import initialize
+
+    settings = _settings(
+        data_dir, database_url=database_url, listen=listen,
+        broker_urls=",".join(broker_urls) or None, enrollment_approval=approval,
+    )
+
+    def password() -> str:
+        if admin_password_file is not None:
+            return admin_password_file.read_text(encoding="utf-8").rstrip("\r\n")
+        if not sys.stdin.isatty():
+            raise click.ClickException("no --admin-password-file and stdin is not a terminal")
+        return str(click.prompt("Admin password", hide_input=True, confirmation_prompt=True))
+
+    explicit = any(v for v in (database_url, listen, broker_urls, approval))
+    try:
+        result = asyncio.run(
+            initialize(
+                settings, clock=system_clock, admin_user=admin_user, admin_password=password,
+                write_config=explicit,
+            )
+        )
+    except McpError as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(f"data dir {settings.data_dir} ready; database at revision {result.revision}",
+               err=True)
+    if result.api_token is None:
+        click.echo("users exist already; no admin created (use `mcp-controlplane login`)", err=True)
+        return
+    click.echo(f"admin user {result.admin!r} created; its API token (shown once):", err=True)
+    click.echo(result.api_token)
+
+
+@main.command()
+@_data_dir_option
+@click.option("--database-url", help="Overrides the data dir's config.")
+@click.option("--listen", help="HOST:PORT (port 0 picks a free one).")
+def serve(data_dir: Path | None, database_url: str | None, listen: str | None) -> None:
+    """Run the control plane: migrate the database, then serve REST, /metrics, /healthz."""
+    from controlplane.app import UnconfiguredProvisioner
+    from controlplane.app import serve as run_server
+
+    settings = _settings(data_dir, database_url=database_url, listen=listen)
+    if not settings.data_dir.is_dir():
+        raise click.ClickException(
+            f"{settings.data_dir} does not exist; run `mcp-controlplane init` first"
+        )
+
+    def ready(url: str) -> None:
+        click.echo(f"mcp-controlplane {__version__} serving on {url}", err=True)
+        click.echo(url)
+        sys.stdout.flush()
+
+    try:
+        asyncio.run(run_server(settings, UnconfiguredProvisioner(), on_ready=ready))
+    except McpError as e:
+        raise click.ClickException(str(e)) from e
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {e}") from e
+
+
+for _command in COMMANDS:
+    main.add_command(_command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Request and response bodies of the REST API (pydantic v2).
+
+One schema serves three purposes: request validation (``extra="forbid"``: a typo in a field
+name is an error, not a silent no-op), the JSON answer, and the OpenAPI document
+(:mod:`controlplane.openapi`). Times are RFC 3339 UTC strings.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from controlplane.auth import Role
+from controlplane.enrollment import Approval, DeviceStatus
+from shared.protocol.base import HexKey, Identifier, Labels
+from shared.protocol.command import ErrorCode
+from shared.protocol.enrollment import EnrollmentRequest
+
+Username = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+Password = Annotated[str, StringConstraints(min_length=8, max_length=1024)]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+MAX_EXPIRY_S = 10 * 365 * 24 * 3600
+ExpiresIn = Annotated[int, Field(ge=60, le=MAX_EXPIRY_S, description="seconds from now")]
+
+
+LabelKey = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._/-]{0,62}$")]
+
+
+class Request(BaseModel):
+    """Base of request bodies: unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Response(BaseModel):
+    """Base of response bodies: built from rows (attributes) or dicts."""
+
+    model_config = ConfigDict(from_attributes=True, populate_by_name=True)
+
+
+class ErrorBody(Response):
+    """Every error answer."""
+
+    error: str = Field(description="what went wrong, for a human")
+    code: ErrorCode = Field(description="machine-readable cause; maps onto the HTTP status")
+
+
+# ---------------------------------------------------------------------------- users and login
+class UserCreate(Request):
+    username: Username
+    password: Password
+    role: Role = Role.VIEWER
+
+
+class UserUpdate(Request):
+    role: Role | None = None
+    disabled: bool | None = None
+    password: Password | None = None
+
+
+class UserOut(Response):
+    username: str
+    role: Role
+    disabled: bool
+    created_at: datetime
+    updated_at: datetime
+
+
+class UserList(Response):
+    items: list[UserOut]
+
+
+class LoginRequest(Request):
+    """Trade a username and password for an API token."""
+
+    username: Username
+    password: Annotated[str, StringConstraints(max_length=1024)]
+    token_name: Name = "cli"
+    expires_in_s: ExpiresIn | None = 30 * 24 * 3600
+
+
+class ApiTokenOut(Response):
+    id: int
+    name: str
+    username: str
+    prefix: str
+    created_at: datetime
+    expires_at: datetime | None
+    last_used_at: datetime | None
+    revoked_at: datetime | None
+
+
+class ApiTokenCreated(ApiTokenOut):
+    token: str = Field(description="the bearer token; shown once, never stored in clear")
+
+
+class ApiTokenList(Response):
+    items: list[ApiTokenOut]
+
+
+class WhoAmI(Response):
+    username: str
+    role: Role
+    token_id: int
+
+
+# ---------------------------------------------------------------------------- enrollment tokens
+class EnrollmentTokenCreate(Request):
+    group: Identifier | None = None
+    labels: Labels = Field(default_factory=dict)
+    max_uses: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    expires_in_s: ExpiresIn | None = 7 * 24 * 3600
+    approval: Approval = Approval.AUTO
+    description: Annotated[str, StringConstraints(max_length=256)] = ""
+
+
+class EnrollmentTokenOut(Response):
+    id: int
+    prefix: str
+    description: str
+    group: str | None = Field(validation_alias="group_name")
+    labels: dict[str, str]
+    approval: Approval
+    max_uses: int | None
+    uses: int
+    created_at: datetime
+    created_by: str
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    state: str = Field(description="active, expired, used_up or revoked (at answer time)")
+
+
+class EnrollmentTokenCreated(EnrollmentTokenOut):
+    token: str = Field(description="give this to `mcp-agent enroll --token`; shown once")
+
+
+class EnrollmentTokenList(Response):
+    items: list[EnrollmentTokenOut]
+
+
+# ---------------------------------------------------------------------------- devices
+class DeviceOut(Response):
+    id: str
+    status: DeviceStatus
+    profile: str | None
+    group: str | None = Field(validation_alias="group_name")
+    labels: dict[str, str]
+    public_key: str
+    agent_version: str
+    online: bool
+    last_seen_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+    accepted_at: datetime | None
+    revoked_at: datetime | None
+    enrollment_token_id: int | None
+
+
+class DeviceDetail(DeviceOut):
+    facts: dict[str, Any]
+
+
+class DeviceList(Response):
+    items: list[DeviceOut]
+    total: int = Field(description="devices matching the filters, over all pages")
+    limit: int
+    offset: int
+
+
+class DeviceQuery(Request):
+    """Query parameters of ``GET /api/v1/devices``; repeated ``label`` parameters are ANDed."""
+
+    label: list[Annotated[str, StringConstraints(max_length=200)]] = Field(
+        default_factory=list, description="key=value (exact) or key (has the label)"
+    )
+    profile: Identifier | None = None
+    status: list[str] = Field(
+        default_factory=list,
+        description="preauthorized, pending, accepted, rejected, revoked, online or offline",
+    )
+    group: Identifier | None = None
+    q: Annotated[str, StringConstraints(max_length=64)] | None = Field(
+        default=None, description="substring of the device id"
+    )
+    limit: Annotated[int, Field(ge=1, le=1000)] = 100
+    offset: Annotated[int, Field(ge=0)] = 0
+
+
+class LabelsPatch(Request):
+    """Set some labels and remove others in one change."""
+
+    set: Labels = Field(default_factory=dict)
+    remove: list[LabelKey] = Field(default_factory=list, max_length=32)
+
+
+class PreauthorizeRequest(Request):
+    public_key: HexKey
+    device_id: Identifier | None = None
+    group: Identifier | None = None
+    labels: Labels = Field(default_factory=dict)
+
+
+class ReasonBody(Request):
+    reason: Annotated[str, StringConstraints(max_length=256)] = ""
+
+
+class ApprovalList(Response):
+    items: list[DeviceOut]
+
+
+# ---------------------------------------------------------------------------- enrollment
+class SignatureOut(BaseModel):
+    keyid: HexKey
+    sig: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
+
+
+class SignedEnrollment(BaseModel):
+    """What ``POST /api/v1/enroll`` takes: an enrollment request signed by the device key it
+    names (``shared.protocol.enrollment.sign_enrollment``)."""
+
+    signed: EnrollmentRequest
+    signatures: list[SignatureOut] = Field(min_length=1, max_length=4)
+
+
+# ---------------------------------------------------------------------------- audit
+class AuditQuery(Request):
+    limit: Annotated[int, Field(ge=1, le=1000)] = 100
+    before_id: Annotated[int, Field(ge=1)] | None = None
+    action: Annotated[str, StringConstraints(max_length=64)] | None = None
+    target_type: Annotated[str, StringConstraints(max_length=32)] | None = None
+    target_id: Annotated[str, StringConstraints(max_length=128)] | None = None
+
+
+class AuditEntryOut(Response):
+    id: int
+    at: datetime
+    actor: str
+    action: str
+    target_type: str
+    target_id: str
+    detail: dict[str, Any]
+
+
+class AuditList(Response):
+    items: list[AuditEntryOut]
+
+
+# ---------------------------------------------------------------------------- health
+class Health(Response):
+    status: str
+    version: str
+    database: str | None = None
+    schema_revision: str | None = None

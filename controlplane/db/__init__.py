@@ -1,0 +1,32 @@
+"""The control plane's database: engine, models, migrations and queries.
+
+Only this package imports SQLAlchemy. Callers open a unit of work with
+:meth:`Database.transaction` (or :meth:`Database.read`) and pass the handle to the query
+functions of :mod:`~controlplane.db.users`, :mod:`~controlplane.db.devices`,
+:mod:`~controlplane.db.enrollment` and :mod:`~controlplane.db.audit`; failures come out as
+:mod:`controlplane.db.errors`.
+"""
+
+from controlplane.db.engine import Database, Tx, async_url
+from controlplane.db.errors import (
+    ConflictError,
+    DatabaseConfigError,
+    DatabaseError,
+    NotFoundError,
+    UnavailableError,
+)
+from controlplane.db.migrate import current_revision, head_revision, upgrade_head
+
+__all__ = [
+    "ConflictError",
+    "Database",
+    "DatabaseConfigError",
+    "DatabaseError",
+    "NotFoundError",
+    "Tx",
+    "UnavailableError",
+    "async_url",
+    "current_revision",
+    "head_revision",
+    "upgrade_head",
+]

@@ -1,0 +1,34 @@
+"""Errors of the database layer; SQLAlchemy's own exceptions never get past ``controlplane.db``.
+
+::
+
+    DatabaseError              base: the database could not do what was asked
+    ├── DatabaseConfigError    the URL names a driver or dialect we do not support
+    ├── ConflictError          a unique or foreign-key constraint refused the change
+    ├── NotFoundError          the row a change was aimed at does not exist
+    └── UnavailableError       the server cannot be reached or is locked (retry later)
+"""
+
+from __future__ import annotations
+
+from shared.errors import McpError
+
+
+class DatabaseError(McpError):
+    """The database could not do what was asked."""
+
+
+class DatabaseConfigError(DatabaseError):
+    """The database URL is not one the control plane can use."""
+
+
+class ConflictError(DatabaseError):
+    """A constraint refused the change (a duplicate name, a key already enrolled, ...)."""
+
+
+class NotFoundError(DatabaseError):
+    """The row a change was aimed at does not exist."""
+
+
+class UnavailableError(DatabaseError):
+    """The database cannot be reached, or stayed locked past the timeout; retrying may help."""

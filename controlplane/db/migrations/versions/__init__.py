@@ -1,0 +1,1 @@
+"""Migration scripts, applied in ``down_revision`` order (Alembic skips this file)."""

@@ -1,0 +1,189 @@
+"""The tables of the control plane's core (migration ``0001_core``).
+
+Adding tables later (telemetry, deployments, rollouts): declare them on :class:`Base` in a new
+module imported by :mod:`controlplane.db.migrations.env` (or here), and write the matching
+``versions/000N_*.py`` migration by hand or with ``alembic revision --autogenerate``; the test
+``test_migrations_match_models`` fails until the two agree.
+
+Conventions: ids of things operators type (devices, users) are strings; surrogate keys are
+integers. Every time is a timezone-aware UTC datetime (:class:`UtcDateTime` stores UTC on
+SQLite, which has no time zones). Enumerated values (roles, statuses) are short strings checked
+in Python (``controlplane.auth.Role``, ``controlplane.enrollment.DeviceStatus``) so adding one
+needs no table rebuild on SQLite. Secrets are never stored: tokens as SHA-256, passwords as
+argon2id.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    TypeDecorator,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+"""A 64-bit surrogate key that is still SQLite's ``INTEGER PRIMARY KEY`` (rowid alias)."""
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """A timezone-aware datetime, stored as UTC; naive values are refused."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value.astimezone(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    """Declarative base; its ``metadata`` is what Alembic compares migrations against."""
+
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        datetime: UtcDateTime(), dict[str, Any]: JSON(),
+    }
+
+
+class User(Base):
+    """An operator account. ``role`` is admin, operator or viewer."""
+
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    username: Mapped[str] = mapped_column(String(64), unique=True)
+    password_hash: Mapped[str] = mapped_column(String(255))
+    role: Mapped[str] = mapped_column(String(16))
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+
+class ApiToken(Base):
+    """A bearer token for the REST API (the CLI's credential), stored as its SHA-256."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime | None]
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class EnrollmentToken(Base):
+    """What ``mcp-agent enroll --token`` presents: scoped, counted, expiring, revocable."""
+
+    __tablename__ = "enrollment_tokens"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    description: Mapped[str] = mapped_column(String(256), default="")
+    group_name: Mapped[str | None] = mapped_column(String(64))
+    labels: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    approval: Mapped[str] = mapped_column(String(16))
+    max_uses: Mapped[int | None] = mapped_column(Integer)
+    uses: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime]
+    created_by: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class Device(Base):
+    """A device known to the control plane, in any status (preauthorized to revoked).
+
+    ``online`` and ``last_seen_at`` belong to telemetry ingestion; enrollment only sets them
+    at creation.
+    """
+
+    __tablename__ = "devices"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    public_key: Mapped[str] = mapped_column(String(64), unique=True)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    profile: Mapped[str | None] = mapped_column(String(64), index=True)
+    group_name: Mapped[str | None] = mapped_column(String(64), index=True)
+    facts: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    agent_version: Mapped[str] = mapped_column(String(64), default="")
+    enrollment_token_id: Mapped[int | None] = mapped_column(
+        ForeignKey("enrollment_tokens.id", ondelete="SET NULL")
+    )
+    online: Mapped[bool] = mapped_column(Boolean, default=False)
+    last_seen_at: Mapped[datetime | None]
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    accepted_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class DeviceLabel(Base):
+    """One ``key=value`` label of a device (a row each, so label filters use an index)."""
+
+    __tablename__ = "device_labels"
+    __table_args__ = (Index("ix_device_labels_key_value", "key", "value"),)
+
+    device_id: Mapped[str] = mapped_column(
+        ForeignKey("devices.id", ondelete="CASCADE"), primary_key=True
+    )
+    key: Mapped[str] = mapped_column(String(63), primary_key=True)
+    value: Mapped[str] = mapped_column(String(128))
+
+
+class EnrollmentNonce(Base):
+    """A nonce seen in an enrollment request, kept until ``expires_at`` to refuse replays."""
+
+    __tablename__ = "enrollment_nonces"
+
+    nonce: Mapped[str] = mapped_column(String(128), primary_key=True)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class AuditEntry(Base):
+    """One change made through the API: who, what, to which object, when."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64), index=True)
+    target_type: Mapped[str] = mapped_column(String(32))
+    target_id: Mapped[str] = mapped_column(String(128))
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)

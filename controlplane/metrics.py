@@ -1,0 +1,70 @@
+"""Prometheus metrics of the control plane (``GET /metrics``).
+
+One :class:`ControlPlaneMetrics` per app on its own registry, so tests and several apps in one
+process never share counters. Families:
+
+- ``mcp_cp_http_requests_total{method,route,status}`` and
+  ``mcp_cp_http_request_seconds{method,route}``: every REST request;
+- ``mcp_cp_enrollments_total{outcome}``: accepted, pending, unchanged, reenrolled, refused
+  reasons, replayed, invalid;
+- ``mcp_cp_devices{status}`` and ``mcp_cp_devices_online``: refreshed from the database at each
+  scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ControlPlaneMetrics:
+    """Every metric family the control plane exports."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        self.requests = Counter(
+            "mcp_cp_http_requests_total", "REST requests answered.",
+            ["method", "route", "status"], registry=r,
+        )
+        self.latency = Histogram(
+            "mcp_cp_http_request_seconds", "Time to answer a REST request.",
+            ["method", "route"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.enrollments = Counter(
+            "mcp_cp_enrollments_total", "Enrollment requests by outcome.", ["outcome"],
+            registry=r,
+        )
+        self.devices = Gauge(
+            "mcp_cp_devices", "Devices known to the control plane, by status.", ["status"],
+            registry=r,
+        )
+        self.devices_online = Gauge(
+            "mcp_cp_devices_online", "Accepted devices whose last status was online.",
+            registry=r,
+        )
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(method, route, str(status)).inc()
+        self.latency.labels(method, route).observe(seconds)
+
+    def set_device_counts(self, by_status: Mapping[str, int], online: int) -> None:
+        for status in ("preauthorized", "pending", "accepted", "rejected", "revoked"):
+            self.devices.labels(status).set(by_status.get(status, 0))
+        self.devices_online.set(online)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

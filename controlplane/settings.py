@@ -1,0 +1,213 @@
+"""The control plane's configuration: one frozen object, built once at the edge (the CLI).
+
+Sources, later ones winning: defaults, ``<data dir>/controlplane.toml`` (written by
+``mcp-controlplane init``), environment variables (``MCP_DATABASE_URL``, ``MCP_LISTEN``,
+``MCP_BROKER_URLS``), command-line flags. :func:`load_settings` does the merging;
+everything below the CLI receives a :class:`Settings` and never reads the environment.
+
+``controlplane.toml`` keys::
+
+    database_url = "postgresql://cp@db/mcp"     # absent: SQLite file in the data dir
+    listen = "127.0.0.1:8080"
+    broker_urls = ["mqtts://broker.example:8883"]
+    enrollment_approval = "token"               # or "manual": every new device waits
+    poll_after_s = 30.0
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from shared.errors import McpError
+from shared.fsutil import atomic_write_bytes
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+CONFIG_FILE = "controlplane.toml"
+SQLITE_FILE = "controlplane.db"
+DEFAULT_LISTEN = "127.0.0.1:8080"
+DEFAULT_BROKER_URLS = ("mqtt://127.0.0.1:1883",)
+
+
+class SettingsError(McpError):
+    """The configuration is inconsistent or a value does not parse."""
+
+
+class EnrollmentApproval(str, enum.Enum):
+    """Server-wide enrollment policy.
+
+    ``TOKEN``: each enrollment token says whether its devices are accepted at once
+    (``approval=auto``) or wait for an operator (``approval=manual``).
+    ``MANUAL``: every new device waits for an operator, whatever its token says.
+    Preauthorized public keys are accepted under both.
+    """
+
+    TOKEN = "token"
+    MANUAL = "manual"
+
+
+class PasswordCost(str, enum.Enum):
+    """argon2id cost (PyNaCl's named limits). ``MIN`` exists for tests only."""
+
+    MIN = "min"
+    INTERACTIVE = "interactive"
+    MODERATE = "moderate"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the control plane needs to know at start.
+
+    ``max_body_bytes`` caps every REST request body; ``poll_after_s`` is what a pending device
+    is told to wait before asking again (seconds).
+    """
+
+    data_dir: Path
+    database_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    broker_urls: tuple[str, ...] = DEFAULT_BROKER_URLS
+    enrollment_approval: EnrollmentApproval = EnrollmentApproval.TOKEN
+    poll_after_s: float = 30.0
+    max_body_bytes: int = 64 * 1024
+    password_cost: PasswordCost = PasswordCost.INTERACTIVE
+    migrate_on_start: bool = True
+
+    @property
+    def effective_database_url(self) -> str:
+        """The configured URL, or the SQLite file inside the data dir."""
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / SQLITE_FILE).resolve()}"
+
+    @property
+    def config_path(self) -> Path:
+        return self.data_dir / CONFIG_FILE
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) → ``(host, port)``; raises :class:`SettingsError`."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise SettingsError(f"listen address {value!r} must be host:port")
+    port = int(port_text)
+    if not 0 <= port <= 65535:
+        raise SettingsError(f"port {port} is out of range")
+    host = host.strip("[]") or "0.0.0.0"
+    return host, port
+
+
+def _parse_broker_urls(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        urls = [u.strip() for u in value.split(",") if u.strip()]
+    elif isinstance(value, list) and all(isinstance(u, str) for u in value):
+        urls = list(value)
+    else:
+        raise SettingsError("broker_urls must be a list of URLs or a comma-separated string")
+    for url in urls:
+        if "://" not in url:
+            raise SettingsError(f"broker URL {url!r} needs a scheme such as mqtt:// or mqtts://")
+    if not urls:
+        raise SettingsError("at least one broker URL is needed")
+    return tuple(urls)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The keys of a ``controlplane.toml``; an empty dict when the file does not exist."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    try:
+        return dict(tomllib.loads(raw.decode("utf-8")))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise SettingsError(f"{path}: {e}") from e
+
+
+def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settings:
+    changes: dict[str, Any] = {}
+    try:
+        if values.get("database_url"):
+            changes["database_url"] = str(values["database_url"])
+        if values.get("listen"):
+            changes["host"], changes["port"] = parse_listen(str(values["listen"]))
+        if values.get("broker_urls"):
+            changes["broker_urls"] = _parse_broker_urls(values["broker_urls"])
+        if values.get("enrollment_approval"):
+            changes["enrollment_approval"] = EnrollmentApproval(values["enrollment_approval"])
+        if values.get("poll_after_s") is not None:
+            changes["poll_after_s"] = float(values["poll_after_s"])
+        if values.get("password_cost"):
+            changes["password_cost"] = PasswordCost(values["password_cost"])
+    except (ValueError, TypeError) as e:
+        raise SettingsError(f"{origin}: {e}") from e
+    return replace(settings, **changes)
+
+
+def load_settings(
+    data_dir: Path,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Merge defaults, ``<data_dir>/controlplane.toml``, ``environ`` and ``overrides``.
+
+    ``overrides`` uses the config file's keys (``database_url``, ``listen``, ...); None values
+    are ignored. Raises :class:`SettingsError`.
+    """
+    settings = Settings(data_dir=Path(data_dir))
+    settings = _apply(settings, read_config_file(settings.config_path), str(settings.config_path))
+    env = environ if environ is not None else {}
+    from_env = {
+        "database_url": env.get("MCP_DATABASE_URL"),
+        "listen": env.get("MCP_LISTEN"),
+        "broker_urls": env.get("MCP_BROKER_URLS"),
+    }
+    settings = _apply(settings, from_env, "environment")
+    return _apply(settings, overrides or {}, "command line")
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    raise SettingsError(f"cannot write {type(value).__name__} to TOML")
+
+
+def write_config_file(settings: Settings) -> Path:
+    """Write the settings ``serve`` must find again into the data dir (mode 0600: the database
+    URL may hold a password)."""
+    values: dict[str, object] = {
+        "listen": f"{settings.host}:{settings.port}",
+        "broker_urls": list(settings.broker_urls),
+        "enrollment_approval": settings.enrollment_approval.value,
+        "poll_after_s": settings.poll_after_s,
+        "password_cost": settings.password_cost.value,
+    }
+    if settings.database_url:
+        values["database_url"] = settings.database_url
+    text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
+        f"{k} = {_toml_value(v)}\n" for k, v in values.items()
+    )
+    atomic_write_bytes(settings.config_path, text.encode("utf-8"), mode=0o600)
+    return settings.config_path
+
+
+def environment() -> dict[str, str]:
+    """A snapshot of the process environment (the CLI passes it to :func:`load_settings`)."""
+    return dict(os.environ)
