@@ -230,6 +230,9 @@ def _install_event_loop() -> None:
     help="Default per-request deadline (504 past it).",
 )
 @click.option("--no-batching", is_flag=True, help="Run every request on its own.")
+@click.option("--inline-below-us", default=200.0, show_default=True,
+              type=click.FloatRange(0, 1_000_000),
+              help="Batches faster than this run on the event loop (0: always on worker threads).")
 @click.option("--profile", default=None, help="Hardware profile to use instead of detecting one.")
 @click.option(
     "--backend",
@@ -297,6 +300,7 @@ def serve_command(
     max_queue: int,
     timeout_ms: float,
     no_batching: bool,
+    inline_below_us: float,
     profile: str | None,
     backend: str | None,
     trust_keys: tuple[Path, ...],
@@ -340,6 +344,7 @@ def serve_command(
             max_queue_delay_s=max_queue_delay_ms / 1000.0,
             max_queue=max_queue,
             default_timeout_s=timeout_ms / 1000.0,
+            inline_below_s=inline_below_us / 1e6,
         ),
         profile=profile,
         backend=backend,
