@@ -7,7 +7,8 @@ import contextlib
 import logging
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -117,8 +118,18 @@ def runner_factory(
     return build
 
 
-async def run_server(config: ServeConfig, *, ready: asyncio.Event | None = None) -> None:
-    """Load the models, serve until SIGINT/SIGTERM (or cancellation), then drain and stop."""
+Attach = Callable[[ModelManager, HardwareProfile], AbstractAsyncContextManager[object]]
+"""Something that runs beside the local server for as long as it serves (the fleet session)."""
+
+
+async def run_server(
+    config: ServeConfig, *, ready: asyncio.Event | None = None, attach: Attach | None = None
+) -> None:
+    """Load the models, serve until SIGINT/SIGTERM (or cancellation), then drain and stop.
+
+    ``attach`` is entered once the models are loaded and the HTTP server listens, and left
+    before the server stops (``mcp-agent run`` attaches its fleet session here).
+    """
     profile, reasons = choose_profile(config.profile)
     log.info("profile %s (%s)", profile.name, "; ".join(reasons[:3]))
     manager = ModelManager(
@@ -165,10 +176,13 @@ async def run_server(config: ServeConfig, *, ready: asyncio.Event | None = None)
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    if ready is not None:
-        ready.set()
     try:
-        await stop.wait()
+        async with contextlib.AsyncExitStack() as stack:
+            if attach is not None:
+                await stack.enter_async_context(attach(manager, profile))
+            if ready is not None:
+                ready.set()
+            await stop.wait()
     finally:
         log.info("shutting down: draining requests")
         if watcher is not None:
