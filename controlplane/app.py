@@ -7,10 +7,17 @@ Routes outside the REST table::
     GET /metrics                 Prometheus exposition
     GET /api/v1/openapi.json     the OpenAPI 3.1 document of everything under /api/v1
 
+Telemetry read routes (viewer), next to the REST table of :mod:`controlplane.api`::
+
+    GET /api/v1/devices/{device_id}/health?limit=N        newest N health samples, oldest first
+    GET /api/v1/devices/{device_id}/events?after_seq=S&limit=N   deployment events by event_seq
+
 Everything is passed in: settings, the broker provisioner (the dynamic-security one in
 production; tests pass a fake implementing :class:`BrokerProvisioner`), the clock, the trust
 source. The app owns one :class:`~controlplane.db.Database` (one AsyncEngine), migrates it to
 the newest revision on startup (``settings.migrate_on_start``) and disposes of it on cleanup.
+Given an :class:`~controlplane.ingest.IngestConnection`, it also runs telemetry ingestion
+(:mod:`controlplane.ingest`) from startup to cleanup.
 """
 
 from __future__ import annotations
@@ -20,16 +27,19 @@ import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
+from typing import Annotated, Any
 
 import orjson
 from aiohttp import web
 from aiohttp.web_urldispatcher import AbstractRoute
+from pydantic import Field
 
 from controlplane import __version__
 from controlplane.api import all_endpoints
 from controlplane.api.common import (
     SERVICES,
+    ApiError,
     EmptyTrust,
     Endpoint,
     Services,
@@ -37,13 +47,16 @@ from controlplane.api.common import (
     error_middleware,
     error_response,
     json_response,
+    read_query,
     services,
 )
-from controlplane.api.schemas import Health
+from controlplane.api.schemas import Health, Request, Response
 from controlplane.auth import PasswordHasher, Role, auth_middleware
 from controlplane.broker.base import BrokerAdminError, BrokerProvisioner, Credentials
 from controlplane.db import Database, DatabaseError, current_revision, head_revision, upgrade_head
 from controlplane.db import devices as device_q
+from controlplane.db import telemetry as telemetry_q
+from controlplane.ingest import IngestConnection, IngestService
 from controlplane.metrics import CONTENT_TYPE, ControlPlaneMetrics
 from controlplane.openapi import build_openapi
 from controlplane.settings import Settings
@@ -53,6 +66,7 @@ log = logging.getLogger("mcp.controlplane")
 
 Clock = Callable[[], datetime]
 OPENAPI = web.AppKey("openapi", bytes)
+INGEST = web.AppKey("ingest", IngestService)
 
 
 def system_clock() -> datetime:
@@ -130,6 +144,91 @@ async def openapi_document(request: web.Request) -> web.Response:
     return web.Response(body=request.app[OPENAPI], content_type="application/json")
 
 
+class HealthQuery(Request):
+    limit: Annotated[int, Field(ge=1, le=10_000)] = 100
+
+
+class HealthOut(Response):
+    """One stored health sample (``ts`` is the device's clock)."""
+
+    ts: datetime
+    cpu_percent: float
+    load_1m: float | None
+    mem_used_mb: float
+    mem_total_mb: float
+    disk_free_mb: float | None
+    disk_total_mb: float | None
+    process_rss_mb: float | None
+    uptime_s: float | None
+    temperatures_c: dict[str, float]
+    gpu: dict[str, Any] | None
+
+
+class HealthList(Response):
+    items: list[HealthOut]
+
+
+class EventsQuery(Request):
+    after_seq: Annotated[int, Field(ge=-1)] = -1
+    limit: Annotated[int, Field(ge=1, le=10_000)] = 1000
+
+
+class EventOut(Response):
+    """One deployment event, as the device reported it."""
+
+    event_seq: int
+    ts: datetime
+    received_at: datetime
+    model: str
+    version: str
+    phase: str
+    outcome: str
+    message: str
+    cause: str | None
+    bytes_done: int | None
+    bytes_total: int | None
+    elapsed_ms: float | None
+
+
+class EventList(Response):
+    items: list[EventOut]
+
+
+async def _existing_device(request: web.Request) -> str:
+    device_id = request.match_info["device_id"]
+    async with services(request).db.read() as tx:
+        if await device_q.get_device(tx, device_id) is None:
+            raise ApiError(ErrorCode.NOT_FOUND, f"no device {device_id!r}")
+    return device_id
+
+
+async def device_health(request: web.Request) -> web.Response:
+    query = read_query(request, HealthQuery)
+    device_id = await _existing_device(request)
+    async with services(request).db.read() as tx:
+        rows = await telemetry_q.recent_health(tx, device_id, query.limit)
+    return json_response(HealthList(items=[HealthOut.model_validate(r) for r in rows]))
+
+
+async def device_events(request: web.Request) -> web.Response:
+    query = read_query(request, EventsQuery)
+    device_id = await _existing_device(request)
+    async with services(request).db.read() as tx:
+        rows = await telemetry_q.list_events(tx, device_id, query.after_seq, query.limit)
+    return json_response(EventList(items=[EventOut.model_validate(r) for r in rows]))
+
+
+def _telemetry_endpoints() -> list[Endpoint]:
+    return [
+        Endpoint("GET", "/api/v1/devices/{device_id}/health", device_health,
+                 "Recent health samples of a device, oldest first", Role.VIEWER, "telemetry",
+                 query=HealthQuery, response=HealthList),
+        Endpoint("GET", "/api/v1/devices/{device_id}/events", device_events,
+                 "Deployment events of a device, by event_seq", Role.VIEWER, "telemetry",
+                 query=EventsQuery, response=EventList),
+    ]
+
+
 def _infrastructure() -> list[Endpoint]:
     return [
         Endpoint("GET", "/healthz", healthz, "Liveness", None, "operations", response=Health),
@@ -148,8 +247,12 @@ def create_app(
     *,
     trust: TrustSource | None = None,
     metrics: ControlPlaneMetrics | None = None,
+    ingest: IngestConnection | None = None,
 ) -> web.Application:
     """Build the application. Nothing touches the database until startup.
+
+    With ``ingest``, startup subscribes to device telemetry at the broker (after migrating) and
+    cleanup stops it, committing what is buffered; :data:`INGEST` holds the service.
 
     Raises :class:`controlplane.db.DatabaseConfigError` for an unusable database URL.
     """
@@ -165,7 +268,7 @@ def create_app(
         hasher=PasswordHasher(settings.password_cost), trust=trust or EmptyTrust(),
         metrics=metrics,
     )
-    endpoints = [*all_endpoints(), *_infrastructure()]
+    endpoints = [*all_endpoints(), *_telemetry_endpoints(), *_infrastructure()]
     for ep in endpoints:
         route = app.router.add_route(ep.method, ep.path, ep.handler)
         route_roles[route] = ep.role
@@ -180,6 +283,21 @@ def create_app(
         await db.dispose()
 
     app.on_startup.append(migrate)
+    if ingest is not None:
+        service = app[INGEST] = IngestService(
+            db, metrics, clock, retention=timedelta(days=settings.telemetry_retention_days)
+        )
+
+        async def start_ingest(app: web.Application) -> None:
+            await service.start(ingest)
+
+        async def stop_ingest(app: web.Application) -> None:
+            await service.stop()
+
+        app.on_startup.append(start_ingest)
+        app.on_cleanup.append(stop_ingest)
+    else:
+        log.info("no broker configured: telemetry ingestion is off")
     app.on_cleanup.append(dispose)
     return app
 
@@ -191,12 +309,14 @@ async def serve(
     clock: Clock = system_clock,
     on_ready: Callable[[str], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
+    ingest: IngestConnection | None = None,
 ) -> None:
     """Run the app on ``settings.host:settings.port`` until SIGINT/SIGTERM or ``stop`` is set.
 
-    ``on_ready`` receives the base URL once the socket listens (port 0 picks a free port).
+    ``on_ready`` receives the base URL once the socket listens (port 0 picks a free port);
+    ``ingest`` turns on telemetry ingestion (see :func:`create_app`).
     """
-    app = create_app(settings, provisioner, clock)
+    app = create_app(settings, provisioner, clock, ingest=ingest)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     stop = stop or asyncio.Event()

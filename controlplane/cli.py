@@ -1,7 +1,14 @@
 """``mcp-controlplane``: the server-side command line.
 
     mcp-controlplane init  --data-dir D [--database-url URL] [--admin-user U --admin-password-file F]
+                           [--broker-url URL] [--broker-admin-url mqtt://H:P
+                            --broker-admin-user U --broker-admin-password-file F]
     mcp-controlplane serve --data-dir D [--listen HOST:PORT]
+
+With a broker admin configured, ``serve`` logs in to Mosquitto's dynamic-security plugin,
+gives enrolled devices real per-device credentials, provisions its own service account
+``svc-cp-{host}`` and ingests device telemetry with it; without one, enrollment can accept
+devices but not give them MQTT credentials, and there is no ingestion.
     mcp-controlplane login | users | tokens | devices | audit ...   (REST client, see cli_fleet)
 
 Flags, environment (``MCP_DATA_DIR``, ``MCP_DATABASE_URL``, ``MCP_LISTEN``,
@@ -14,8 +21,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
+import secrets
+import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -79,10 +90,19 @@ def main(verbose: bool) -> None:
 @click.option("--admin-user", help="Create this admin (default 'admin' when there is no user).")
 @click.option("--admin-password-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Read the admin password from this file (else prompt).")
+@click.option("--broker-admin-url",
+              help="mqtt://HOST:PORT where serve reaches the broker's dynamic-security plugin.")
+@click.option("--broker-admin-user", help="The dynamic-security admin account.")
+@click.option("--broker-admin-password-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="File holding that account's password (read at serve time).")
+@click.option("--telemetry-retention-days", type=click.IntRange(min=1),
+              help="Keep health samples this many days (default 7).")
 def init(
     data_dir: Path | None, database_url: str | None, listen: str | None,
     broker_urls: tuple[str, ...], approval: str | None, admin_user: str | None,
-    admin_password_file: Path | None,
+    admin_password_file: Path | None, broker_admin_url: str | None,
+    broker_admin_user: str | None, broker_admin_password_file: Path | None,
+    telemetry_retention_days: int | None,
 ) -> None:
     """Create the data dir and database (or migrate them), and a first admin with an API token.
 
@@ -94,7 +114,15 @@ def init(
     settings = _settings(
         data_dir, database_url=database_url, listen=listen,
         broker_urls=",".join(broker_urls) or None, enrollment_approval=approval,
+        broker_admin_url=broker_admin_url, broker_admin_user=broker_admin_user,
+        broker_admin_password_file=broker_admin_password_file,
+        telemetry_retention_days=telemetry_retention_days,
     )
+    if settings.broker_configured:
+        try:
+            settings.broker_admin_password()  # fail now, not at the first serve
+        except SettingsError as e:
+            raise click.ClickException(str(e)) from e
 
     def password() -> str:
         if admin_password_file is not None:
@@ -103,7 +131,10 @@ def init(
             raise click.ClickException("no --admin-password-file and stdin is not a terminal")
         return str(click.prompt("Admin password", hide_input=True, confirmation_prompt=True))
 
-    explicit = any(v for v in (database_url, listen, broker_urls, approval))
+    explicit = any(v for v in (
+        database_url, listen, broker_urls, approval, broker_admin_url, broker_admin_user,
+        broker_admin_password_file, telemetry_retention_days,
+    ))
     try:
         result = asyncio.run(
             initialize(
@@ -127,10 +158,8 @@ def init(
 @click.option("--database-url", help="Overrides the data dir's config.")
 @click.option("--listen", help="HOST:PORT (port 0 picks a free one).")
 def serve(data_dir: Path | None, database_url: str | None, listen: str | None) -> None:
-    """Run the control plane: migrate the database, then serve REST, /metrics, /healthz."""
-    from controlplane.app import UnconfiguredProvisioner
-    from controlplane.app import serve as run_server
-
+    """Run the control plane: migrate the database, then serve REST, /metrics, /healthz, and
+    (with a broker admin configured) per-device broker accounts and telemetry ingestion."""
     settings = _settings(data_dir, database_url=database_url, listen=listen)
     if not settings.data_dir.is_dir():
         raise click.ClickException(
@@ -143,11 +172,52 @@ def serve(data_dir: Path | None, database_url: str | None, listen: str | None) -
         sys.stdout.flush()
 
     try:
-        asyncio.run(run_server(settings, UnconfiguredProvisioner(), on_ready=ready))
+        asyncio.run(_serve(settings, ready))
     except McpError as e:
         raise click.ClickException(str(e)) from e
     except OSError as e:
         raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {e}") from e
+
+
+def service_name(hostname: str | None = None) -> str:
+    """This replica's broker identity: ``cp-{hostname}`` reduced to identifier characters,
+    or ``cp-{random}`` when the host name gives nothing usable."""
+    host = re.sub(r"[^A-Za-z0-9._-]+", "-", hostname or socket.gethostname()).strip(".-_")
+    return f"cp-{host[:60]}" if host else f"cp-{secrets.token_hex(4)}"
+
+
+async def _serve(settings: Settings, ready: Any) -> None:
+    from controlplane.app import UnconfiguredProvisioner
+    from controlplane.app import serve as run_server
+    from controlplane.broker.dynsec import DynsecProvisioner
+    from controlplane.ingest import IngestConnection
+    from controlplane.mqtt import BrokerAddress
+
+    log = logging.getLogger("mcp.controlplane")
+    if not settings.broker_configured:
+        log.warning("no broker admin configured (mcp-controlplane init --broker-admin-url ...): "
+                    "devices get no MQTT credentials and telemetry is not ingested")
+        await run_server(settings, UnconfiguredProvisioner(), on_ready=ready)
+        return
+    address = BrokerAddress.parse(str(settings.broker_admin_url))
+    if settings.broker_admin_user is None:
+        raise SettingsError("broker_admin_url is set but broker_admin_user is not")
+    ssl_context = None
+    if address.tls:
+        import ssl
+
+        ssl_context = ssl.create_default_context()
+    async with DynsecProvisioner(
+        address.host, address.port, settings.broker_admin_user,
+        settings.broker_admin_password(), ssl_context=ssl_context,
+    ) as provisioner:
+        credentials = await provisioner.provision_service(service_name())
+        log.info("broker %s:%d: provisioning devices, ingesting as %s", address.host,
+                 address.port, credentials.username)
+        await run_server(
+            settings, provisioner, on_ready=ready,
+            ingest=IngestConnection(address, credentials),
+        )
 
 
 for _command in COMMANDS:

@@ -8,7 +8,11 @@ process never share counters. Families:
 - ``mcp_cp_enrollments_total{outcome}``: accepted, pending, unchanged, reenrolled, refused
   reasons, replayed, invalid;
 - ``mcp_cp_devices{status}`` and ``mcp_cp_devices_online``: refreshed from the database at each
-  scrape.
+  scrape;
+- ingestion (:mod:`controlplane.ingest`): ``mcp_cp_ingest_received_total{kind}`` (valid messages
+  taken in), ``mcp_cp_ingest_committed_total{kind}`` (rows committed), ``mcp_cp_ingest_dropped_total
+  {reason}`` (bad or undeliverable messages), ``mcp_cp_ingest_flush_seconds`` and
+  ``mcp_cp_ingest_backlog`` (rows waiting for the next flush).
 """
 
 from __future__ import annotations
@@ -55,6 +59,26 @@ class ControlPlaneMetrics:
         self.devices_online = Gauge(
             "mcp_cp_devices_online", "Accepted devices whose last status was online.",
             registry=r,
+        )
+
+        self.ingest_received = Counter(
+            "mcp_cp_ingest_received_total", "Valid device messages taken in, by kind.", ["kind"],
+            registry=r,
+        )
+        self.ingest_committed = Counter(
+            "mcp_cp_ingest_committed_total", "Ingested messages committed to the database.",
+            ["kind"], registry=r,
+        )
+        self.ingest_dropped = Counter(
+            "mcp_cp_ingest_dropped_total", "Device messages dropped, by reason.", ["reason"],
+            registry=r,
+        )
+        self.ingest_flush = Histogram(
+            "mcp_cp_ingest_flush_seconds", "Time to commit one ingestion batch.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.ingest_backlog = Gauge(
+            "mcp_cp_ingest_backlog", "Ingested messages waiting for the next flush.", registry=r,
         )
 
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:

@@ -12,6 +12,10 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     broker_urls = ["mqtts://broker.example:8883"]
     enrollment_approval = "token"               # or "manual": every new device waits
     poll_after_s = 30.0
+    broker_admin_url = "mqtt://127.0.0.1:1883"  # absent: no broker accounts, no ingestion
+    broker_admin_user = "admin"                 # a dynamic-security admin account
+    broker_admin_password_file = "/etc/mcp/broker-admin.pw"   # read at serve time
+    telemetry_retention_days = 7
 """
 
 from __future__ import annotations
@@ -82,6 +86,28 @@ class Settings:
     max_body_bytes: int = 64 * 1024
     password_cost: PasswordCost = PasswordCost.INTERACTIVE
     migrate_on_start: bool = True
+    broker_admin_url: str | None = None
+    broker_admin_user: str | None = None
+    broker_admin_password_file: Path | None = None
+    telemetry_retention_days: int = 7
+
+    @property
+    def broker_configured(self) -> bool:
+        """Whether serve should provision broker accounts and ingest telemetry."""
+        return bool(self.broker_admin_url)
+
+    def broker_admin_password(self) -> str:
+        """The admin password from ``broker_admin_password_file`` (trailing newline removed).
+
+        Raises :class:`SettingsError` when no file is configured or it cannot be read.
+        """
+        if self.broker_admin_password_file is None:
+            raise SettingsError("broker_admin_url is set but broker_admin_password_file is not")
+        try:
+            text = self.broker_admin_password_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise SettingsError(f"cannot read the broker admin password: {e}") from e
+        return text.rstrip("\r\n")
 
     @property
     def effective_database_url(self) -> str:
@@ -149,6 +175,21 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             changes["poll_after_s"] = float(values["poll_after_s"])
         if values.get("password_cost"):
             changes["password_cost"] = PasswordCost(values["password_cost"])
+        if values.get("broker_admin_url"):
+            url = str(values["broker_admin_url"])
+            if not url.startswith(("mqtt://", "mqtts://")):
+                raise ValueError(f"broker_admin_url {url!r} must start with mqtt:// or mqtts://")
+            changes["broker_admin_url"] = url
+        if values.get("broker_admin_user"):
+            changes["broker_admin_user"] = str(values["broker_admin_user"])
+        if values.get("broker_admin_password_file"):
+            path = Path(str(values["broker_admin_password_file"])).expanduser()
+            changes["broker_admin_password_file"] = path.absolute()
+        if values.get("telemetry_retention_days") is not None:
+            days = int(values["telemetry_retention_days"])
+            if days < 1:
+                raise ValueError("telemetry_retention_days must be at least 1")
+            changes["telemetry_retention_days"] = days
     except (ValueError, TypeError) as e:
         raise SettingsError(f"{origin}: {e}") from e
     return replace(settings, **changes)
@@ -201,6 +242,13 @@ def write_config_file(settings: Settings) -> Path:
     }
     if settings.database_url:
         values["database_url"] = settings.database_url
+    if settings.broker_admin_url:
+        values["broker_admin_url"] = settings.broker_admin_url
+    if settings.broker_admin_user:
+        values["broker_admin_user"] = settings.broker_admin_user
+    if settings.broker_admin_password_file is not None:
+        values["broker_admin_password_file"] = str(settings.broker_admin_password_file)
+    values["telemetry_retention_days"] = settings.telemetry_retention_days
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
         f"{k} = {_toml_value(v)}\n" for k, v in values.items()
     )

@@ -23,12 +23,14 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
     MetaData,
     String,
     TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -187,3 +189,93 @@ class AuditEntry(Base):
     target_type: Mapped[str] = mapped_column(String(32))
     target_id: Mapped[str] = mapped_column(String(128))
     detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+# ---------------------------------------------------------------------------- telemetry (0002)
+# Written by ingestion (controlplane.ingest) in batches through Core inserts, never ORM adds.
+# ``ts`` is the device's own clock; ``received_at`` is when the control plane took it.
+
+
+def _device_fk() -> ForeignKey:
+    return ForeignKey("devices.id", ondelete="CASCADE")
+
+
+class HealthSampleRow(Base):
+    """One health reading (``telemetry/health``); downsampled and expired by retention."""
+
+    __tablename__ = "health_samples"
+    __table_args__ = (Index("ix_health_samples_device_id_ts", "device_id", "ts"),
+                      Index("ix_health_samples_ts", "ts"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    device_id: Mapped[str] = mapped_column(String(64), _device_fk())
+    ts: Mapped[datetime]
+    cpu_percent: Mapped[float] = mapped_column(Float)
+    load_1m: Mapped[float | None] = mapped_column(Float)
+    mem_used_mb: Mapped[float] = mapped_column(Float)
+    mem_total_mb: Mapped[float] = mapped_column(Float)
+    disk_free_mb: Mapped[float | None] = mapped_column(Float)
+    disk_total_mb: Mapped[float | None] = mapped_column(Float)
+    process_rss_mb: Mapped[float | None] = mapped_column(Float)
+    uptime_s: Mapped[float | None] = mapped_column(Float)
+    temperatures_c: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    gpu: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class InferenceStatsRow(Base):
+    """Counters of one model version on one device over one reporting window."""
+
+    __tablename__ = "inference_stats"
+    __table_args__ = (Index("ix_inference_stats_device_id_ts", "device_id", "ts"),
+                      Index("ix_inference_stats_model_version_ts", "model", "version", "ts"))
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    device_id: Mapped[str] = mapped_column(String(64), _device_fk())
+    ts: Mapped[datetime]
+    window_s: Mapped[float] = mapped_column(Float)
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(128))
+    count: Mapped[int] = mapped_column(BigInteger)
+    errors: Mapped[int] = mapped_column(BigInteger)
+    rejections: Mapped[int] = mapped_column(BigInteger)
+    p50_ms: Mapped[float | None] = mapped_column(Float)
+    p95_ms: Mapped[float | None] = mapped_column(Float)
+    p99_ms: Mapped[float | None] = mapped_column(Float)
+    queue_depth: Mapped[int] = mapped_column(Integer)
+    batch_size_avg: Mapped[float | None] = mapped_column(Float)
+    batch_fill_ratio: Mapped[float | None] = mapped_column(Float)
+
+
+class DeploymentEventRow(Base):
+    """One step of a deployment, stored once per ``(device_id, event_seq)`` (resends are no-ops)."""
+
+    __tablename__ = "deployment_events"
+    __table_args__ = (UniqueConstraint("device_id", "event_seq",
+                                       name="uq_deployment_events_device_id_event_seq"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    device_id: Mapped[str] = mapped_column(String(64), _device_fk())
+    event_seq: Mapped[int] = mapped_column(BigInteger)
+    ts: Mapped[datetime]
+    received_at: Mapped[datetime]
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(128))
+    phase: Mapped[str] = mapped_column(String(32))
+    outcome: Mapped[str] = mapped_column(String(16))
+    message: Mapped[str] = mapped_column(String(2048), default="")
+    cause: Mapped[str | None] = mapped_column(String(64))
+    bytes_done: Mapped[int | None] = mapped_column(BigInteger)
+    bytes_total: Mapped[int | None] = mapped_column(BigInteger)
+    elapsed_ms: Mapped[float | None] = mapped_column(Float)
+
+
+class ReportedStateRow(Base):
+    """The latest reported state of a device (its retained ``reported`` document)."""
+
+    __tablename__ = "device_reported"
+
+    device_id: Mapped[str] = mapped_column(String(64), _device_fk(), primary_key=True)
+    ts: Mapped[datetime]
+    received_at: Mapped[datetime]
+    applied_seq: Mapped[int] = mapped_column(BigInteger)
+    document: Mapped[dict[str, Any]] = mapped_column(default=dict)

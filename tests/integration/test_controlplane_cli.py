@@ -19,6 +19,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from controlplane.cli import main
+from controlplane.db.migrate import head_revision
 from controlplane.settings import load_settings
 from shared.signing import PrivateKey
 from tests.support.controlplane import FakeClock, FakeProvisioner, envelope, served
@@ -230,7 +231,7 @@ def test_serve_runs_as_a_process(tmp_path: Path) -> None:
         url = server.stdout.readline().strip()  # printed once the socket listens
         assert url.startswith("http://127.0.0.1:"), server.stderr.read() if server.stderr else ""
         with urllib.request.urlopen(url + "/readyz", timeout=10) as response:
-            assert json.loads(response.read())["schema_revision"] == "0001_core"
+            assert json.loads(response.read())["schema_revision"] == head_revision()
         listed = subprocess.run(
             [*CLI, "devices", "list", "--json"],
             env={**env, "MCP_SERVER": url, "MCP_TOKEN": token},

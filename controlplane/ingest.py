@@ -1,0 +1,441 @@
+"""Telemetry ingestion: device messages from the broker into the database, in batches.
+
+Subscriptions (every filter built by :mod:`shared.protocol.topics`)::
+
+    $share/cp/mcp/v1/dev/+/telemetry/+   health, inference statistics, drift (shared)
+    $share/cp/mcp/v1/dev/+/events        deployment events (shared)
+    mcp/v1/dev/+/status                  retained online/offline (direct, see below)
+    mcp/v1/dev/+/reported                retained reported state (direct, see below)
+
+Telemetry and events go through the share group ``cp``: with several replicas each message
+reaches exactly one of them. ``status`` and ``reported`` are subscribed directly because MQTT 5
+does not deliver retained messages on shared subscriptions (§4.8.2), and the retained message
+is what tells a (re)started control plane where every device stands; applying it is
+idempotent, so replicas all doing it is harmless, and its rate is tiny.
+
+Each message is validated on the event loop (:func:`shared.protocol.codec.decode_for_topic`,
+after a size check against the message class's ``MAX_BYTES``) and turned into a row in an
+in-memory batch. A background task commits the batch every ``flush_interval_s`` (0.1 s) or as
+soon as ``flush_rows`` (500) rows wait: one transaction, one executemany per table, then
+``last_seen_at``/``online`` of the devices heard from. Rows of devices that are not accepted
+(unknown, pending, revoked) are dropped at that point, by one ``SELECT`` per batch.
+
+A bad message (not JSON, wrong schema, too large, a payload naming another device, an unknown
+device, a status other than ``online``/``offline``) is counted in
+``mcp_cp_ingest_dropped_total{reason}`` and dropped with at most one log line per reason every
+``LOG_INTERVAL_S``; nothing a device sends can stop ingestion. When the database is
+unavailable the batch waits for the next flush (bounded by ``max_backlog`` rows, beyond which
+new messages are dropped as ``backlog_full``); other database errors drop the batch
+(``db_error``).
+
+Retention (every ``retention_interval_s``): health samples and inference statistics older than
+``retention`` are deleted; health samples older than ``downsample_after`` (1 day) are thinned
+to the first sample per device and 5-minute period. Deployment events are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+
+from controlplane.broker.base import Credentials
+from controlplane.db import Database, DatabaseError, UnavailableError
+from controlplane.db import telemetry as q
+from controlplane.metrics import ControlPlaneMetrics
+from controlplane.mqtt import BrokerAddress, MqttSubscriber
+from shared.errors import MessageError, TopicError
+from shared.protocol import topics
+from shared.protocol.codec import decode_for_topic, schema_for_topic
+from shared.protocol.state import DeploymentEvent, ReportedState
+from shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
+from shared.protocol.topics import Channel
+
+log = logging.getLogger("mcp.controlplane.ingest")
+
+SHARE_GROUP = "cp"
+LOG_INTERVAL_S = 10.0
+ONLINE, OFFLINE = b"online", b"offline"
+Clock = Callable[[], datetime]
+
+
+class DropReason(str, enum.Enum):
+    """Why a device message was not stored (the ``reason`` label of the drop counter)."""
+
+    BAD_TOPIC = "bad_topic"
+    BAD_STATUS = "bad_status"
+    TOO_LARGE = "too_large"
+    MALFORMED_JSON = "malformed_json"
+    SCHEMA = "schema"
+    DEVICE_MISMATCH = "device_mismatch"
+    UNKNOWN_DEVICE = "unknown_device"
+    BACKLOG_FULL = "backlog_full"
+    DB_ERROR = "db_error"
+    INTERNAL = "internal"
+
+
+def subscriptions(share_group: str = SHARE_GROUP) -> list[str]:
+    """The filters ingestion subscribes to (see the module docstring)."""
+    return [
+        topics.shared_subscription(share_group, topics.all_devices(Channel.TELEMETRY)),
+        topics.shared_subscription(share_group, topics.all_devices(Channel.EVENTS)),
+        topics.all_devices(Channel.STATUS),
+        topics.all_devices(Channel.REPORTED),
+    ]
+
+
+@dataclass(frozen=True)
+class IngestConnection:
+    """How ingestion reaches the broker: its address and the replica's service account."""
+
+    address: BrokerAddress
+    credentials: Credentials
+
+
+class _Dropped(Exception):
+    def __init__(self, reason: DropReason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+def _classify(error: MessageError) -> DropReason:
+    """The reason behind a :func:`decode_for_topic` refusal (size is checked before it)."""
+    cause = error.__cause__
+    if isinstance(cause, orjson.JSONDecodeError):
+        return DropReason.MALFORMED_JSON
+    if isinstance(cause, ValidationError):
+        return DropReason.SCHEMA
+    if "claims device" in str(error):
+        return DropReason.DEVICE_MISMATCH
+    return DropReason.SCHEMA
+
+
+def _utc(ts: float) -> datetime:
+    try:
+        return datetime.fromtimestamp(ts, timezone.utc)
+    except (OverflowError, OSError, ValueError) as e:
+        raise _Dropped(DropReason.SCHEMA, f"timestamp {ts!r} is out of range") from e
+
+
+@dataclass
+class _Batch:
+    """Rows waiting for the next flush; ``messages`` keeps ``(device_id, kind)`` per message."""
+
+    health: list[dict[str, Any]] = field(default_factory=list)
+    inference: list[dict[str, Any]] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    reported: dict[str, dict[str, Any]] = field(default_factory=dict)
+    status: dict[str, bool] = field(default_factory=dict)
+    messages: list[tuple[str, str]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def device_ids(self) -> set[str]:
+        return {d for d, _ in self.messages}
+
+    def keep_only(self, known: set[str]) -> list[tuple[str, str]]:
+        """Drop everything of devices outside ``known``; return the dropped messages."""
+        dropped = [m for m in self.messages if m[0] not in known]
+        if dropped:
+            self.messages = [m for m in self.messages if m[0] in known]
+            for name in ("health", "inference", "events"):
+                setattr(self, name, [r for r in getattr(self, name) if r["device_id"] in known])
+            self.reported = {d: r for d, r in self.reported.items() if d in known}
+            self.status = {d: s for d, s in self.status.items() if d in known}
+        return dropped
+
+    def then(self, later: _Batch) -> _Batch:
+        """This batch followed by ``later`` (order kept; the later status/report wins)."""
+        return _Batch(
+            health=self.health + later.health, inference=self.inference + later.inference,
+            events=self.events + later.events, reported={**self.reported, **later.reported},
+            status={**self.status, **later.status}, messages=self.messages + later.messages,
+        )
+
+
+class _LogLimiter:
+    """At most one warning per drop reason every ``interval_s``, with a count of the rest."""
+
+    def __init__(self, interval_s: float = LOG_INTERVAL_S) -> None:
+        self._interval_s = interval_s
+        self._last: dict[DropReason, float] = {}
+        self._suppressed: Counter[DropReason] = Counter()
+
+    def dropped(self, reason: DropReason, topic: str, detail: str) -> None:
+        now = time.monotonic()
+        last = self._last.get(reason)
+        if last is not None and now - last < self._interval_s:
+            self._suppressed[reason] += 1
+            return
+        self._last[reason] = now
+        more = self._suppressed.pop(reason, 0)
+        log.warning("ingest: dropped a message on %.120s (%s): %.200s%s", topic, reason.value,
+                    detail, f" [{more} more since the last line]" if more else "")
+
+
+class IngestService:
+    """Validates device messages and commits them in batches; see the module docstring.
+
+    ``handle`` is the MQTT message callback (event-loop thread). ``start``/``stop`` own the
+    broker session and the background tasks; ``flush`` and ``run_retention`` are also public
+    for tests and tools.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        metrics: ControlPlaneMetrics,
+        clock: Clock,
+        *,
+        flush_interval_s: float = 0.1,
+        flush_rows: int = 500,
+        max_backlog: int = 100_000,
+        retention: timedelta = timedelta(days=7),
+        downsample_after: timedelta = timedelta(days=1),
+        retention_interval_s: float = 3600.0,
+        share_group: str = SHARE_GROUP,
+    ) -> None:
+        self._db = db
+        self._metrics = metrics
+        self._clock = clock
+        self._flush_interval_s = flush_interval_s
+        self._flush_rows = flush_rows
+        self._max_backlog = max_backlog
+        self._retention = retention
+        self._downsample_after = downsample_after
+        self._retention_interval_s = retention_interval_s
+        self._share_group = share_group
+        self._pending = _Batch()
+        self._wake = asyncio.Event()
+        self._flush_lock = asyncio.Lock()
+        self._log = _LogLimiter()
+        self._subscriber: MqttSubscriber | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, connection: IngestConnection) -> None:
+        """Subscribe at the broker and start the flush and retention tasks.
+
+        Raises :class:`controlplane.mqtt.MqttError` when the broker cannot be used.
+        """
+        self._tasks = [
+            asyncio.create_task(self._flush_loop(), name="ingest-flush"),
+            asyncio.create_task(self._retention_loop(), name="ingest-retention"),
+        ]
+        subscriber = MqttSubscriber(
+            connection.address, connection.credentials, subscriptions(self._share_group),
+            self.handle,
+        )
+        try:
+            await subscriber.start()
+        except BaseException:
+            await self._stop_tasks()
+            raise
+        self._subscriber = subscriber
+        log.info("ingesting device telemetry from %s as %s", subscriber.where,
+                 connection.credentials.username)
+
+    async def stop(self) -> None:
+        """Close the broker session, stop the tasks, and commit what is still buffered."""
+        if self._subscriber is not None:
+            await self._subscriber.close()
+            self._subscriber = None
+        await self._stop_tasks()
+        await self.flush()
+
+    async def _stop_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    # ---- intake (event-loop thread) --------------------------------------------------------
+
+    def handle(self, topic: str, payload: bytes) -> None:
+        """Validate one message and buffer its rows; drops are counted, never raised."""
+        try:
+            self._take(topic, bytes(payload))
+        except _Dropped as e:
+            self._drop(e.reason, topic, str(e))
+        except Exception as e:  # a bug must cost one message, not the ingestion
+            log.exception("ingest: unexpected failure on %.120s", topic)
+            self._drop(DropReason.INTERNAL, topic, repr(e))
+
+    def _drop(self, reason: DropReason, topic: str, detail: str, count: int = 1) -> None:
+        self._metrics.ingest_dropped.labels(reason.value).inc(count)
+        self._log.dropped(reason, topic, detail)
+
+    def _take(self, topic: str, payload: bytes) -> None:
+        try:
+            parsed = topics.parse(topic)
+        except TopicError as e:
+            raise _Dropped(DropReason.BAD_TOPIC, str(e)) from e
+        if not isinstance(parsed, topics.DeviceTopic):
+            raise _Dropped(DropReason.BAD_TOPIC, "not a device topic")
+        device_id = parsed.device_id
+        batch = self._pending
+        if parsed.channel is Channel.STATUS:
+            if payload not in (ONLINE, OFFLINE):
+                if not payload:
+                    return  # a retained status being cleared: nothing to record
+                raise _Dropped(DropReason.BAD_STATUS, f"status {payload[:32]!r}")
+            batch.status[device_id] = payload == ONLINE
+            self._accept(batch, device_id, "status")
+            return
+        cls = schema_for_topic(parsed)
+        if cls is None:
+            raise _Dropped(DropReason.BAD_TOPIC, f"no ingestion for {parsed.channel.value}")
+        if len(payload) > cls.MAX_BYTES:
+            raise _Dropped(DropReason.TOO_LARGE,
+                           f"{len(payload)} bytes exceed the {cls.MAX_BYTES}-byte limit")
+        if len(batch) >= self._max_backlog:
+            raise _Dropped(DropReason.BACKLOG_FULL, f"{len(batch)} messages wait for the database")
+        try:
+            _, message = decode_for_topic(topic, payload)
+        except MessageError as e:
+            raise _Dropped(_classify(e), str(e)) from e
+        self._accept(batch, device_id, self._rows(batch, message))
+
+    def _rows(self, batch: _Batch, message: Any) -> str:
+        """Append the rows of a valid message to ``batch``; return its kind."""
+        if isinstance(message, HealthSample):
+            batch.health.append({
+                "device_id": message.device_id, "ts": _utc(message.ts),
+                "cpu_percent": message.cpu_percent, "load_1m": message.load_1m,
+                "mem_used_mb": message.mem_used_mb, "mem_total_mb": message.mem_total_mb,
+                "disk_free_mb": message.disk_free_mb, "disk_total_mb": message.disk_total_mb,
+                "process_rss_mb": message.process_rss_mb, "uptime_s": message.uptime_s,
+                "temperatures_c": dict(message.temperatures_c),
+                "gpu": message.gpu.model_dump(exclude_none=True) if message.gpu else None,
+            })
+            return "health"
+        if isinstance(message, InferenceStats):
+            ts = _utc(message.ts)
+            for m in message.models:
+                batch.inference.append({
+                    "device_id": message.device_id, "ts": ts, "window_s": message.window_s,
+                    "model": m.model, "version": m.version, "count": m.count,
+                    "errors": m.errors, "rejections": m.rejections,
+                    "p50_ms": m.latency.p50_ms if m.latency else None,
+                    "p95_ms": m.latency.p95_ms if m.latency else None,
+                    "p99_ms": m.latency.p99_ms if m.latency else None,
+                    "queue_depth": m.queue_depth, "batch_size_avg": m.batch_size_avg,
+                    "batch_fill_ratio": m.batch_fill_ratio,
+                })
+            return "inference"
+        if isinstance(message, DeploymentEvent):
+            batch.events.append({
+                "device_id": message.device_id, "event_seq": message.event_seq,
+                "ts": _utc(message.ts), "received_at": self._clock(), "model": message.model,
+                "version": message.version, "phase": message.phase.value,
+                "outcome": message.outcome.value, "message": message.message,
+                "cause": message.cause, "bytes_done": message.bytes_done,
+                "bytes_total": message.bytes_total, "elapsed_ms": message.elapsed_ms,
+            })
+            return "events"
+        if isinstance(message, ReportedState):
+            batch.reported[message.device_id] = {
+                "device_id": message.device_id, "ts": _utc(message.ts),
+                "received_at": self._clock(), "applied_seq": message.applied_seq,
+                "document": message.model_dump(mode="json"),
+            }
+            return "reported"
+        if isinstance(message, DriftReport):
+            # Validated and counted; drift aggregation (DESIGN 4.7) stores its own rows.
+            return "drift"
+        raise _Dropped(DropReason.BAD_TOPIC, f"{type(message).__name__} is not ingested")
+
+    def _accept(self, batch: _Batch, device_id: str, kind: str) -> None:
+        batch.messages.append((device_id, kind))
+        self._metrics.ingest_received.labels(kind).inc()
+        if len(batch) >= self._flush_rows:
+            self._wake.set()
+
+    # ---- commit ----------------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._flush_interval_s)
+            self._wake.clear()
+            await self.flush()
+
+    async def flush(self) -> int:
+        """Commit everything buffered in one transaction; return how many messages."""
+        async with self._flush_lock:
+            batch, self._pending = self._pending, _Batch()
+            if not batch:
+                return 0
+            started = time.perf_counter()
+            now = self._clock()
+            try:
+                async with self._db.transaction() as tx:
+                    known = await q.accepted_among(tx, batch.device_ids())
+                    for device_id, _kind in batch.keep_only(known):
+                        self._drop(DropReason.UNKNOWN_DEVICE, topics.device_subtree(device_id),
+                                   f"device {device_id!r} is not an accepted device")
+                    await q.insert_health(tx, batch.health)
+                    await q.insert_inference(tx, batch.inference)
+                    await q.insert_events(tx, batch.events)
+                    await q.upsert_reported(tx, list(batch.reported.values()))
+                    online = {d for d, up in batch.status.items() if up}
+                    heard = {d for d, kind in batch.messages if kind != "status"} | online
+                    await q.mark_seen(tx, heard, online, set(batch.status) - online, now)
+            except UnavailableError as e:
+                self._requeue(batch, str(e))
+                return 0
+            except DatabaseError as e:
+                self._drop(DropReason.DB_ERROR, "(batch)", str(e), count=len(batch))
+                return 0
+            finally:
+                self._metrics.ingest_backlog.set(len(self._pending))
+            self._metrics.ingest_flush.observe(time.perf_counter() - started)
+            for kind, n in Counter(k for _, k in batch.messages).items():
+                self._metrics.ingest_committed.labels(kind).inc(n)
+            return len(batch)
+
+    def _requeue(self, batch: _Batch, why: str) -> None:
+        if len(batch) + len(self._pending) > self._max_backlog:
+            # Too far behind: give up the older batch rather than grow without bound.
+            self._drop(DropReason.BACKLOG_FULL, "(batch)", why, count=len(batch))
+        else:
+            self._pending = batch.then(self._pending)
+        log.warning("ingest: database unavailable, %d messages wait: %s", len(self._pending), why)
+
+    # ---- retention -------------------------------------------------------------------------
+
+    async def run_retention(self, now: datetime | None = None) -> tuple[int, int]:
+        """Expire and downsample old telemetry; return ``(expired, thinned)`` health samples.
+
+        Raises :class:`controlplane.db.DatabaseError`.
+        """
+        async with self._db.transaction() as tx:
+            return await q.expire_telemetry(
+                tx, now or self._clock(), retention=self._retention,
+                downsample_after=self._downsample_after,
+            )
+
+    async def _retention_loop(self) -> None:
+        while True:
+            try:
+                expired, thinned = await self.run_retention()
+                if expired or thinned:
+                    log.info("retention: %d health samples expired, %d thinned", expired, thinned)
+            except DatabaseError as e:
+                log.warning("retention failed, retried in %.0f s: %s",
+                            self._retention_interval_s, e)
+            await asyncio.sleep(self._retention_interval_s)

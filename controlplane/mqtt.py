@@ -1,0 +1,219 @@
+"""The control plane's MQTT 5 subscriber: paho made async, for ingestion.
+
+``async with MqttSubscriber(...)`` owns one session. paho's network loop runs in its own thread
+(``loop_start``); every event crosses to asyncio with ``call_soon_threadsafe``. paho reconnects
+a dropped session by itself (backoff 1-30 s) and :meth:`_on_connect` subscribes again to every
+filter each time, so the caller never handles reconnects. TCP_NODELAY is set on the socket as
+soon as it opens (DESIGN 8: Nagle costs tens of milliseconds per small packet).
+
+Errors: :class:`MqttError` for anything the broker or paho refuses at start; later losses are
+logged and healed by paho.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from socket import IPPROTO_TCP, TCP_NODELAY
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+
+from controlplane.broker.base import Credentials
+from shared.errors import McpError
+
+log = logging.getLogger("mcp.controlplane.mqtt")
+
+MessageHandler = Callable[[str, bytes], None]
+"""Called on the event loop's thread with ``(topic, payload)`` for each delivered message."""
+
+
+class MqttError(McpError):
+    """The broker could not be reached, refused the login, or refused a subscription."""
+
+
+@dataclass(frozen=True)
+class BrokerAddress:
+    """Where the control plane's own MQTT sessions go (not the URL devices are given)."""
+
+    host: str
+    port: int
+    tls: bool = False
+
+    @classmethod
+    def parse(cls, url: str) -> BrokerAddress:
+        """``mqtt://host[:1883]`` or ``mqtts://host[:8883]``; raises :class:`MqttError`."""
+        scheme, sep, rest = url.partition("://")
+        if not sep or scheme not in ("mqtt", "mqtts"):
+            raise MqttError(f"broker URL {url!r} must start with mqtt:// or mqtts://")
+        hostport = rest.split("/", 1)[0]
+        host, colon, port_text = hostport.rpartition(":")
+        if not colon or "]" in port_text:
+            host, port_text = hostport, ""
+        host = host.strip("[]")
+        if not host or (port_text and not port_text.isdigit()):
+            raise MqttError(f"broker URL {url!r} needs a host and an optional numeric port")
+        tls = scheme == "mqtts"
+        return cls(host, int(port_text) if port_text else (8883 if tls else 1883), tls)
+
+
+class MqttSubscriber:
+    """One MQTT 5 session subscribed to ``filters`` at QoS 1, handing messages to ``handler``.
+
+    ``session_expiry_s``: after a crash or a lost connection the broker keeps the session (and
+    queues its QoS 1 messages, including its turn of every shared subscription) this long, so
+    a process restarted with the same client id misses nothing. :meth:`close` ends the session
+    at once (DISCONNECT with a session expiry of 0): a replica that stops cleanly leaves its
+    share groups instead of swallowing its share of messages until the expiry.
+    """
+
+    def __init__(
+        self,
+        address: BrokerAddress,
+        credentials: Credentials,
+        filters: Sequence[str],
+        handler: MessageHandler,
+        *,
+        keepalive_s: int = 30,
+        session_expiry_s: int = 300,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self._address = address
+        self._filters = list(filters)
+        self._handler = handler
+        self._keepalive_s = keepalive_s
+        self._session_expiry_s = session_expiry_s
+        self._timeout_s = timeout_s
+        self._client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=credentials.client_id, protocol=mqtt.MQTTv5
+        )
+        self._client.username_pw_set(credentials.username, credentials.password)
+        if address.tls:
+            self._client.tls_set_context(ssl.create_default_context())
+        self._client.connect_timeout = timeout_s
+        self._client.reconnect_delay_set(min_delay=1, max_delay=30)
+        self._client.on_socket_open = self._on_socket_open
+        self._client.on_connect = self._on_connect
+        self._client.on_subscribe = self._on_subscribe
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_message = self._on_message
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._subscribed: asyncio.Future[None] | None = None
+        self._subscribe_mid: int | None = None
+        self._closed = False
+
+    @property
+    def where(self) -> str:
+        return f"{self._address.host}:{self._address.port}"
+
+    async def __aenter__(self) -> MqttSubscriber:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Connect and subscribe; return once the broker granted every filter.
+
+        Raises MqttError: unreachable, login refused, a filter refused, or no answer in time.
+        """
+        self._loop = asyncio.get_running_loop()
+        self._subscribed = self._loop.create_future()
+        props = Properties(PacketTypes.CONNECT)
+        props.SessionExpiryInterval = self._session_expiry_s
+        try:
+            await asyncio.to_thread(
+                self._client.connect, self._address.host, self._address.port,
+                self._keepalive_s, clean_start=False, properties=props,
+            )
+            self._client.loop_start()
+            await asyncio.wait_for(self._subscribed, self._timeout_s)
+        except asyncio.TimeoutError as e:  # before OSError: on 3.11+ it is one
+            await self.close()
+            raise MqttError(f"no subscription at the broker {self.where} within "
+                            f"{self._timeout_s} s") from e
+        except (OSError, ValueError) as e:
+            await self.close()
+            raise MqttError(f"cannot connect to the broker at {self.where}: {e}") from e
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        """Disconnect and stop paho's thread. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        props = Properties(PacketTypes.DISCONNECT)
+        props.SessionExpiryInterval = 0
+        self._client.disconnect(properties=props)
+        await asyncio.to_thread(self._client.loop_stop)
+
+    # ---- paho callbacks (paho's thread) ----------------------------------------------------
+
+    def _on_socket_open(self, _client: mqtt.Client, _userdata: Any, sock: Any) -> None:
+        if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(IPPROTO_TCP, TCP_NODELAY, 1)
+
+    def _on_connect(
+        self, client: mqtt.Client, _u: Any, _flags: Any, reason: ReasonCode, _p: Any
+    ) -> None:
+        if reason.is_failure:
+            self._post(self._fail, f"the broker at {self.where} refused the login: {reason}")
+            return
+        # Every (re)connect: subscribe again, once per filter, in one SUBSCRIBE packet.
+        rc, self._subscribe_mid = client.subscribe([(f, 1) for f in self._filters])
+        if rc != mqtt.MQTT_ERR_SUCCESS:
+            self._post(self._fail, f"cannot subscribe: {mqtt.error_string(rc)}")
+
+    def _on_subscribe(
+        self, _c: mqtt.Client, _u: Any, mid: int, reasons: list[ReasonCode], _p: Any
+    ) -> None:
+        if mid != self._subscribe_mid:
+            return
+        refused = [f for f, r in zip(self._filters, reasons, strict=False) if r.is_failure]
+        if refused:
+            self._post(self._fail, f"the broker refused the subscription(s) {refused}")
+        else:
+            self._post(self._ready)
+
+    def _on_disconnect(
+        self, _c: mqtt.Client, _u: Any, _flags: Any, reason: ReasonCode, _p: Any
+    ) -> None:
+        if not self._closed:
+            self._post(log.warning, "ingest session to %s lost (%s); paho reconnects",
+                       self.where, reason)
+
+    def _on_message(self, _c: mqtt.Client, _u: Any, message: mqtt.MQTTMessage) -> None:
+        self._post(self._handler, message.topic, message.payload)
+
+    def _post(self, callback: Callable[..., Any], *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed after the check
+            loop.call_soon_threadsafe(callback, *args)
+
+    # ---- asyncio's thread ------------------------------------------------------------------
+
+    def _ready(self) -> None:
+        if self._subscribed is not None and not self._subscribed.done():
+            self._subscribed.set_result(None)
+        else:
+            log.info("ingest session to %s restored and subscribed again", self.where)
+
+    def _fail(self, message: str) -> None:
+        if self._subscribed is not None and not self._subscribed.done():
+            self._subscribed.set_exception(MqttError(message))
+        else:
+            log.error("ingest session: %s", message)
