@@ -1,0 +1,279 @@
+"""Inference over MQTT 5: Open Inference Protocol JSON in, the same JSON (or an error) out.
+
+Requests arrive on ``mcp/v1/dev/{device}/infer/{model}`` (this device) and on
+``$share/agents/mcp/v1/fleet/infer/{model}`` (any agent serving the model; the broker gives
+each request to one of them). The body is the ``POST /v2/models/{m}/infer`` body; user
+properties play the part of the HTTP headers:
+
+    model-version   pin a version (X-Model-Version)     priority    high | normal | low
+    request-key     sticky canary routing (X-Request-Key) timeout-ms  request deadline
+
+The reply goes to the request's MQTT 5 Response Topic with its Correlation Data copied, at the
+request's QoS (at most 1), with user properties ``mcp-status`` (the HTTP status the same
+request gets from the HTTP API) and ``mcp-device``. (No Content Type: every body is JSON, and
+each MQTT 5 property costs paho tens of µs to parse on the receiving side.) Success is the Open Inference Protocol
+response; every failure is a structured error, byte for byte what HTTP answers
+(``{"error", "code", "retry_after_s"?}``): unknown model → ``not_found``, bad shape or body →
+``bad_request``, body over the cap → ``too_large``, full queue → ``overloaded`` with
+``retry_after_s``, deadline → ``timeout``. Never silence, except for a request that names no
+Response Topic, or one outside ``mcp/v1/client/{id}/reply`` (a request must not make a device
+publish where it likes): those are counted and dropped with a log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from agent.fleet.metrics import FleetMetrics
+from agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
+from agent.fleet.telemetry import InferenceStatsCollector, Outcome
+from agent.http_api import ApiError, classify, response_body, tensors_to_feeds
+from agent.runtime.batcher import Priority
+from agent.runtime.manager import LoadedVersion, ModelManager
+from shared.errors import MessageError, TopicError
+from shared.protocol import ErrorCode, ErrorReply, InferRequest, encode, loads, topics, validate
+
+log = logging.getLogger("mcp.agent.mqtt_inference")
+
+SHARE_GROUP = "agents"
+DEFAULT_MAX_REQUEST_BYTES = InferRequest.MAX_BYTES
+_MAX_ERROR_TEXT = 2000
+
+
+def device_infer_filter(device_id: str) -> str:
+    """``mcp/v1/dev/{device}/infer/+``: every model's request topic of one device.
+
+    Built from :func:`shared.protocol.topics.device_infer` (topics.py has no builder for this
+    one-device wildcard yet) and checked as a filter.
+    """
+    base = topics.device_infer(device_id, "model").rsplit("/", 1)[0]
+    return topics.validate_filter(base + "/+")
+
+
+def fleet_infer_filter(model: str, group: str = SHARE_GROUP) -> str:
+    """``$share/{group}/mcp/v1/fleet/infer/{model}``."""
+    return topics.FleetInferTopic(model).shared(group)
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """What the user properties of a request ask for (the HTTP headers' counterparts)."""
+
+    version: str | None = None
+    request_key: str | None = None
+    priority: Priority = Priority.NORMAL
+    timeout_s: float | None = None
+
+    @classmethod
+    def from_message(cls, msg: InboundMessage) -> RequestOptions:
+        """Raises :class:`ApiError` (bad_request) for an unknown priority or a bad timeout."""
+        try:
+            priority = Priority.parse(msg.user_property("priority"))
+        except ValueError as e:
+            raise ApiError(ErrorCode.BAD_REQUEST, str(e)) from None
+        timeout = None
+        raw = msg.user_property("timeout-ms")
+        if raw is not None:
+            try:
+                timeout = float(raw) / 1000.0
+            except ValueError:
+                raise ApiError(ErrorCode.BAD_REQUEST, "timeout-ms must be a number") from None
+            if not 0 < timeout <= 3600:
+                raise ApiError(ErrorCode.BAD_REQUEST, "timeout-ms must be in (0, 3600000]")
+        return cls(
+            version=msg.user_property("model-version") or None,
+            request_key=msg.user_property("request-key") or None,
+            priority=priority,
+            timeout_s=timeout,
+        )
+
+
+@dataclass
+class InferenceCounters:
+    received_device: int = 0
+    received_fleet: int = 0
+    answered_ok: int = 0
+    answered_error: int = 0
+    dropped: int = 0
+
+
+def error_body(err: ApiError) -> bytes:
+    """The structured error reply, the same JSON the HTTP API answers with."""
+    text = str(err)
+    if len(text) > _MAX_ERROR_TEXT:
+        text = text[:_MAX_ERROR_TEXT] + "…"
+    return encode(ErrorReply(error=text, code=err.code, retry_after_s=err.retry_after_s))
+
+
+class MqttInference:
+    """Answers inference requests for one device (see the module docstring)."""
+
+    def __init__(
+        self,
+        manager: ModelManager,
+        device_id: str,
+        mqtt: MqttClient,
+        *,
+        metrics: FleetMetrics,
+        stats: InferenceStatsCollector | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        max_pending: int = 256,
+    ) -> None:
+        self.manager = manager
+        self.device_id = topics.validate_id(device_id, "device id")
+        self.mqtt = mqtt
+        self.metrics = metrics
+        self.stats = stats
+        self.max_request_bytes = max_request_bytes
+        self.max_pending = max_pending
+        self.counters = InferenceCounters()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._status_props = (("mcp-device", self.device_id),)
+
+    def submit(self, msg: InboundMessage, model: str, *, fleet: bool) -> None:
+        """Handle one request in its own task (requests run concurrently so they can batch)."""
+        if fleet:
+            self.counters.received_fleet += 1
+        else:
+            self.counters.received_device += 1
+        if msg.response_topic is None:
+            self._drop("no_response_topic", "request without a Response Topic", msg.topic)
+            return
+        try:
+            reply_to = topics.parse(msg.response_topic)
+        except TopicError as e:
+            self._drop("bad_response_topic", str(e), msg.topic)
+            return
+        if not isinstance(reply_to, topics.ClientReplyTopic):
+            self._drop(
+                "bad_response_topic",
+                f"Response Topic {msg.response_topic!r:.100} is not a client reply topic",
+                msg.topic,
+            )
+            return
+        if len(self._tasks) >= self.max_pending:
+            err = ApiError(
+                ErrorCode.OVERLOADED,
+                f"overloaded: {len(self._tasks)} MQTT requests in progress",
+                1.0,
+            )
+            self.manager.metrics.rejections.labels(model, "overloaded").inc()
+            self._spawn(self._reply(msg, error_body(err), err.code))
+            return
+        self._spawn(self.handle(msg, model))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _drop(self, reason: str, detail: str, topic: str) -> None:
+        self.counters.dropped += 1
+        self.metrics.drop("infer", reason, detail, topic)
+
+    async def handle(self, msg: InboundMessage, model: str) -> None:
+        body, code = await self.answer(model, msg)
+        await self._reply(msg, body, code)
+
+    async def _reply(self, msg: InboundMessage, body: bytes, code: ErrorCode | None) -> None:
+        status = "200" if code is None else str(code.http_status)
+        if code is None:
+            self.counters.answered_ok += 1
+        else:
+            self.counters.answered_error += 1
+        assert msg.response_topic is not None
+        try:
+            await self.mqtt.publish(
+                msg.response_topic,
+                body,
+                min(msg.qos, 1),
+                correlation_data=msg.correlation_data,
+                user_properties=(("mcp-status", status), *self._status_props),
+            )
+        except MqttError as e:
+            log.info("could not send the inference reply to %s: %s", msg.response_topic, e)
+
+    async def answer(self, model: str, msg: InboundMessage) -> tuple[bytes, ErrorCode | None]:
+        """The reply body for a request and its error code (None on success)."""
+        m = self.manager.metrics
+        t0 = time.perf_counter()
+        m.active.inc()
+        lv: LoadedVersion | None = None
+        try:
+            m.payload_bytes.labels("mqtt").observe(len(msg.payload))
+            req = self._decode(msg)
+            opts = RequestOptions.from_message(msg)
+            lv = self.manager.route(model, opts.version, opts.request_key)
+            feeds = tensors_to_feeds(req.inputs, lv.info.inputs)
+            answered, outputs = await self.manager.infer(
+                lv,
+                feeds,
+                pinned=opts.version is not None,
+                priority=opts.priority,
+                timeout_s=opts.timeout_s,
+            )
+            wanted = [o.name for o in req.outputs] if req.outputs else None
+            body = orjson.dumps(
+                response_body(answered, req.id, outputs, wanted),
+                option=orjson.OPT_SERIALIZE_NUMPY,
+            )
+        except Exception as e:
+            err = classify(e)
+            if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
+                m.rejections.labels(model, err.code.value).inc()
+                outcome = Outcome.REJECTED
+            else:
+                m.errors.labels(model, err.code.value).inc()
+                outcome = Outcome.ERROR
+            m.requests.labels(model, "mqtt", str(err.code.http_status)).inc()
+            if self.stats is not None and lv is not None:
+                self.stats.record(lv.name, lv.version, time.perf_counter() - t0, outcome)
+            return error_body(err), err.code
+        finally:
+            m.active.dec()
+        elapsed = time.perf_counter() - t0
+        m.requests.labels(model, "mqtt", "200").inc()
+        m.latency.labels(answered.name, answered.version).observe(elapsed)
+        if self.stats is not None:
+            self.stats.record(answered.name, answered.version, elapsed, Outcome.OK)
+        return body, None
+
+    def _decode(self, msg: InboundMessage) -> InferRequest:
+        """Size, JSON and schema checks, each counted as a bad message when it fails."""
+        size = len(msg.payload)
+        if size > self.max_request_bytes:
+            self._drop_counted("too_large", msg.topic, f"{size} bytes")
+            raise ApiError(
+                ErrorCode.TOO_LARGE,
+                f"request body too large: {size} bytes, limit {self.max_request_bytes}",
+            )
+        try:
+            obj = loads(msg.payload, max_bytes=self.max_request_bytes)
+        except MessageError:
+            self._drop_counted("json", msg.topic, "not JSON")
+            raise
+        try:
+            return validate(obj, InferRequest)
+        except MessageError as e:
+            self._drop_counted("schema", msg.topic, str(e))
+            raise
+
+    def _drop_counted(self, reason: str, topic: str, detail: str) -> None:
+        # Bad requests are answered (with an error) and also counted as bad input.
+        self.metrics.drop("infer", reason, detail + " (answered with an error)", topic)
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Wait for requests in progress to be answered (up to ``timeout_s``), then cancel."""
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,466 @@
+"""The agent's fleet session: one MQTT 5 session to the broker, kept up for as long as it runs.
+
+What it does (DESIGN 4.2, 4.6, 4.7):
+
+- Connects with the device's credentials, ``clean_start=False`` and a session expiry, a
+  keep-alive and TCP_NODELAY; the will is a retained ``offline`` on ``dev/{id}/status``.
+- Subscribes to its ``desired`` and ``cmd`` topics, its ``infer/+`` topics and the fleet's
+  shared ``infer/{model}`` subscription for each model it serves; after every (re)connect the
+  subscriptions are restored first, then the retained ``online`` birth is published.
+- Reconnects with exponential backoff and full jitter (:class:`agent.fleet.mqtt.Backoff`); the
+  backoff resets once a connection has stayed up ``stable_after_s``.
+- Sends a health sample every ``health_interval_s`` and inference statistics every
+  ``inference_interval_s``. Everything that goes upstream (telemetry, deployment events, the
+  reported state) is written to the on-disk :class:`agent.fleet.spool.Spool` first and published
+  from there in order, deleted only once the broker acknowledged it; while offline the spool
+  fills (dropping the oldest health samples first when full, never events) and drains after
+  the reconnect.
+- Answers ``cmd`` (``ping``, ``report_state``, plus handlers passed in) and inference requests
+  (:mod:`agent.fleet.mqtt_inference`); hands verified-by-the-caller desired states to a handler.
+- Every inbound message is untrusted: a malformed, wrongly shaped or oversized one is counted
+  (:class:`agent.fleet.metrics.FleetMetrics`), logged in one line and dropped; nothing a peer
+  sends stops the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agent import __version__
+from agent.fleet.control import CommandHandler, ControlChannel, DesiredHandler
+from agent.fleet.metrics import FleetMetrics
+from agent.fleet.mqtt import (
+    Backoff,
+    InboundMessage,
+    MqttClient,
+    MqttConnectError,
+    MqttError,
+    MqttRefusedError,
+    MqttSettings,
+    Subscription,
+    Will,
+)
+from agent.fleet.mqtt_inference import MqttInference, device_infer_filter, fleet_infer_filter
+from agent.fleet.outbox import Outbox
+from agent.fleet.spool import Spool, SpoolKind
+from agent.fleet.telemetry import HealthCollector, InferenceStatsCollector
+from agent.runtime.manager import ModelManager
+from shared.errors import (
+    TopicError,
+)
+from shared.protocol import (
+    CommandName,
+    CommandRequest,
+    DeploymentEvent,
+    DriftReport,
+    HealthSample,
+    InferenceStats,
+    ReportedState,
+    encode,
+    topics,
+)
+
+log = logging.getLogger("mcp.agent.fleet")
+
+_NO_RETAINED = 2  # MQTT 5 retain handling: do not send retained messages
+ONLINE = b"online"
+OFFLINE = b"offline"
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Everything the session needs to know; built once by the CLI."""
+
+    device_id: str
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str | None = None
+    password: str | None = None
+    client_id: str | None = None
+    """Defaults to the device id (the broker binds the id to the credentials)."""
+    tls: ssl.SSLContext | None = None
+    keepalive_s: int = 30
+    session_expiry_s: int = 900
+    health_interval_s: float = 30.0
+    inference_interval_s: float = 60.0
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 60.0
+    stable_after_s: float = 30.0
+    share_group: str = "agents"
+    max_infer_bytes: int = 8 * 1024 * 1024
+    max_desired_bytes: int = 512 * 1024
+    max_command_bytes: int = 64 * 1024
+    drain_batch: int = 64
+    ack_timeout_s: float = 30.0
+
+    def mqtt_settings(self) -> MqttSettings:
+        status = topics.status(self.device_id)
+        return MqttSettings(
+            host=self.host,
+            port=self.port,
+            client_id=self.client_id or self.device_id,
+            username=self.username,
+            password=self.password,
+            keepalive_s=self.keepalive_s,
+            clean_start=False,
+            session_expiry_s=self.session_expiry_s,
+            tls=self.tls,
+            will=Will(status, OFFLINE, qos=1, retain=True),
+            ack_timeout_s=self.ack_timeout_s,
+            max_packet_bytes=self.max_infer_bytes * 2,
+        )
+
+
+class FleetSession:
+    """The running session (see the module docstring). ``async with FleetSession(...)`` starts
+    it and closes it gracefully (retained ``offline``, then DISCONNECT)."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        *,
+        spool: Spool,
+        manager: ModelManager | None = None,
+        health: HealthCollector | None = None,
+        stats: InferenceStatsCollector | None = None,
+        desired_handler: DesiredHandler | None = None,
+        state_provider: Callable[[], ReportedState] | None = None,
+        command_handlers: Mapping[CommandName, CommandHandler] | None = None,
+        metrics: FleetMetrics | None = None,
+        mqtt: MqttClient | None = None,
+        backoff: Backoff | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.device_id = topics.validate_id(config.device_id, "device id")
+        self.spool = spool
+        self.manager = manager
+        self.health = health or HealthCollector()
+        self.stats = stats or InferenceStatsCollector()
+        self.metrics = metrics or FleetMetrics()
+        self.mqtt = mqtt or MqttClient(config.mqtt_settings())
+        self.backoff = backoff or Backoff(config.backoff_initial_s, config.backoff_max_s)
+        self._sleep = sleep
+        self._clock = clock
+        self._state_provider = state_provider
+        builtin: dict[CommandName, CommandHandler] = {CommandName.PING: self._ping}
+        if state_provider is not None:
+            builtin[CommandName.REPORT_STATE] = self._report_state
+        self.control = ControlChannel(
+            self.device_id, self.mqtt, self.metrics, desired_handler=desired_handler,
+            command_handlers={**builtin, **(command_handlers or {})},
+            max_desired_bytes=config.max_desired_bytes,
+            max_command_bytes=config.max_command_bytes, clock=clock,
+        )  # fmt: skip
+        self.inference = (
+            MqttInference(
+                manager,
+                self.device_id,
+                self.mqtt,
+                metrics=self.metrics,
+                stats=self.stats,
+                max_request_bytes=config.max_infer_bytes,
+            )
+            if manager is not None
+            else None
+        )
+        self.online = asyncio.Event()
+        """Set while connected with subscriptions restored and the birth message sent."""
+        self.outbox = Outbox(
+            spool,
+            self.mqtt,
+            self.metrics,
+            self.online,
+            batch=config.drain_batch,
+            ack_timeout_s=config.ack_timeout_s,
+        )
+        self.connections = 0
+        self.health_samples = 0
+        self._fleet_filters: set[str] = set()
+        self._routes: list[tuple[str, Callable[[InboundMessage], Coroutine[Any, Any, None]]]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Remember the subscriptions and start connecting, sampling and draining."""
+        t = topics
+        # Requests and commands are never taken from retained messages (a retained request would
+        # be answered again after every reconnect); the desired state is retained by design.
+        subs = [
+            Subscription(t.desired(self.device_id)),
+            Subscription(t.command(self.device_id), retain_handling=_NO_RETAINED),
+        ]
+        if self.inference is not None:
+            subs.append(
+                Subscription(device_infer_filter(self.device_id), retain_handling=_NO_RETAINED)
+            )
+        self.mqtt.set_handler(self._on_message)
+        await self.mqtt.subscribe(*subs)
+        await self.sync_models()
+        await self.health.start()
+        loop = asyncio.get_running_loop()
+        for coro, name in (
+            (self._connection_loop(), "fleet-connection"),
+            (self.outbox.run(), "fleet-drain"),
+            (self._health_loop(), "fleet-health"),
+            (self._stats_loop(), "fleet-stats"),
+        ):
+            self._tasks.append(loop.create_task(coro, name=name))
+
+    async def close(self) -> None:
+        """Stop: answer requests in progress, publish retained ``offline``, disconnect."""
+        if self._closing:
+            return
+        self._closing = True
+        keep = {"fleet-drain"}
+        await _cancel([t for t in self._tasks if t.get_name() not in keep])
+        if self.mqtt.connected:
+            with contextlib.suppress(MqttError):
+                if self._fleet_filters:
+                    # Leave the share group first, so the broker stops routing requests here.
+                    await self.mqtt.unsubscribe(*self._fleet_filters)
+            if self.inference is not None:
+                await self.inference.close()
+            with contextlib.suppress(MqttError):
+                await self.mqtt.publish(
+                    topics.status(self.device_id), OFFLINE, 1, True, timeout_s=5.0
+                )
+        await _cancel(self._tasks)
+        await _cancel(list(self._handlers))
+        self.online.clear()
+        self.metrics.connected.set(0)
+        await self.mqtt.close()
+        await self.health.close()
+        await self.outbox.close()
+
+    async def __aenter__(self) -> FleetSession:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def wait_online(self, timeout_s: float | None = None) -> None:
+        """Wait until the session is online (raises TimeoutError after ``timeout_s``)."""
+        await asyncio.wait_for(self.online.wait(), timeout_s)
+
+    # ------------------------------------------------------------------ connection
+    async def _connection_loop(self) -> None:
+        while not self._closing:
+            up_since: float | None = None
+            try:
+                result = await self.mqtt.connect()
+                up_since = time.monotonic()
+                self.connections += 1
+                self.metrics.connects.labels("ok").inc()
+                await self.mqtt.publish(topics.status(self.device_id), ONLINE, 1, True)
+                self.online.set()
+                self.metrics.connected.set(1)
+                log.info(
+                    "online as %s at %s:%s (session %s)",
+                    self.device_id,
+                    self.config.host,
+                    self.config.port,
+                    "resumed" if result.session_present else "new",
+                )
+                self.outbox.wake()
+                why = await self.mqtt.wait_disconnected()
+                log.warning("connection to %s:%s lost: %s", self.config.host, self.config.port, why)
+            except MqttConnectError as e:
+                self.metrics.connects.labels("failed").inc()
+                level = logging.ERROR if e.auth_refused else logging.INFO
+                log.log(level, "cannot connect (attempt %d): %s", self.backoff.attempt + 1, e)
+            except MqttError as e:
+                log.warning("connection failed while coming online: %s", e)
+                await self.mqtt.disconnect()
+            except Exception:
+                log.exception("unexpected error in the MQTT session; reconnecting")
+                await self.mqtt.disconnect()
+            finally:
+                self.online.clear()
+                self.metrics.connected.set(0)
+            if self._closing:
+                return
+            if up_since is not None and time.monotonic() - up_since >= self.config.stable_after_s:
+                self.backoff.reset()
+            await self._sleep(self.backoff.next_delay())
+
+    # ------------------------------------------------------------------ models
+    async def sync_models(self) -> None:
+        """Hold one fleet shared subscription per model the manager serves (call after loads)."""
+        if self.manager is None or self.inference is None:
+            return
+        group = self.config.share_group
+        want = {fleet_infer_filter(m, group) for m in self.manager.names()}
+        add, remove = want - self._fleet_filters, self._fleet_filters - want
+        self._fleet_filters = want
+        try:
+            if add:
+                await self.mqtt.subscribe(
+                    *(Subscription(f, retain_handling=_NO_RETAINED) for f in sorted(add))
+                )
+            if remove:
+                await self.mqtt.unsubscribe(*sorted(remove))
+        except MqttRefusedError as e:
+            log.error("fleet inference subscription refused: %s", e)
+        except MqttError as e:
+            log.info("fleet subscriptions change deferred to the next connection: %s", e)
+
+    async def add_route(
+        self,
+        topic_filter: str,
+        handler: Callable[[InboundMessage], Coroutine[Any, Any, None]],
+        qos: int = 1,
+    ) -> None:
+        """Subscribe (kept across reconnects) and hand matching messages to ``handler``."""
+        topics.validate_filter(topic_filter)
+        self._routes.append((topic_filter, handler))
+        await self.mqtt.subscribe(Subscription(topic_filter, qos))
+
+    # ------------------------------------------------------------------ outbound (spooled)
+    async def publish_event(self, event: DeploymentEvent) -> None:
+        """Queue a deployment event; it is delivered even across outages, never dropped."""
+        self._own(event.device_id)
+        await self.enqueue(SpoolKind.EVENT, topics.events(self.device_id), encode(event))
+
+    async def publish_reported(self, state: ReportedState) -> None:
+        """Queue the retained reported state (replaces an older one not yet sent)."""
+        self._own(state.device_id)
+        await self.enqueue(
+            SpoolKind.STATE, topics.reported(self.device_id), encode(state), retain=True
+        )
+
+    async def publish_health(self, sample: HealthSample) -> None:
+        self._own(sample.device_id)
+        await self.enqueue(
+            SpoolKind.HEALTH, topics.telemetry(self.device_id, "health"), encode(sample)
+        )
+
+    async def publish_inference_stats(self, stats: InferenceStats) -> None:
+        self._own(stats.device_id)
+        await self.enqueue(
+            SpoolKind.INFERENCE, topics.telemetry(self.device_id, "inference"), encode(stats)
+        )
+
+    async def publish_drift(self, report: DriftReport) -> None:
+        self._own(report.device_id)
+        await self.enqueue(
+            SpoolKind.DRIFT, topics.telemetry(self.device_id, "drift"), encode(report)
+        )
+
+    async def enqueue(
+        self, kind: SpoolKind, topic: str, payload: bytes, *, retain: bool = False
+    ) -> None:
+        """Write to the spool and wake the drainer. A spool failure is logged, not raised."""
+        await self.outbox.put(kind, topic, payload, retain)
+
+    def _own(self, device_id: str) -> None:
+        if device_id != self.device_id:
+            raise ValueError(f"message for device {device_id!r} on {self.device_id!r}'s session")
+
+    # ------------------------------------------------------------------ periodic telemetry
+    async def sample_health(self) -> HealthSample:
+        """Take one health sample now and queue it."""
+        sample = await asyncio.to_thread(self.health.collect, self.device_id)
+        await self.publish_health(sample)
+        self.health_samples += 1
+        return sample
+
+    async def _health_loop(self) -> None:
+        while True:
+            try:
+                await self.sample_health()
+                await self.sync_models()
+            except Exception:
+                log.exception("health sample failed")
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.inference_interval_s)
+            try:
+                snap = self.stats.snapshot(self.device_id, now=self._clock(), manager=self.manager)
+                if snap.models:
+                    await self.publish_inference_stats(snap)
+            except Exception:
+                log.exception("inference statistics failed")
+
+    # ------------------------------------------------------------------ inbound
+    def _on_message(self, msg: InboundMessage) -> None:
+        try:
+            self._dispatch(msg)
+        except Exception:
+            log.exception("failed to dispatch a message on %.120s", msg.topic)
+            self.metrics.drop("any", "internal", "dispatch failed", msg.topic)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    def _dispatch(self, msg: InboundMessage) -> None:
+        for topic_filter, handler in self._routes:
+            if topics.matches(topic_filter, msg.topic):
+                self._spawn(handler(msg))
+                return
+        try:
+            parsed = topics.parse(msg.topic)
+        except TopicError as e:
+            self.metrics.drop("unknown", "topic", str(e), msg.topic)
+            return
+        if isinstance(parsed, topics.FleetInferTopic) and self.inference is not None:
+            self.inference.submit(msg, parsed.model, fleet=True)
+            return
+        if isinstance(parsed, topics.DeviceTopic) and parsed.device_id == self.device_id:
+            ch = parsed.channel
+            if ch is topics.Channel.INFER and self.inference is not None:
+                self.inference.submit(msg, str(parsed.detail), fleet=False)
+                return
+            if ch is topics.Channel.DESIRED:
+                self._spawn(self.control.on_desired(msg))
+                return
+            if ch is topics.Channel.COMMAND:
+                self._spawn(self.control.on_command(msg))
+                return
+        self.metrics.drop("unknown", "topic", "no handler for this topic", msg.topic)
+
+    async def _ping(self, req: CommandRequest) -> dict[str, Any]:
+        models = self.manager.names() if self.manager else []
+        return {"pong": True, "ts": self._clock(), "agent_version": __version__, "models": models}
+
+    async def _report_state(self, req: CommandRequest) -> dict[str, Any]:
+        assert self._state_provider is not None
+        state = self._state_provider()
+        await self.publish_reported(state)
+        return {"applied_seq": state.applied_seq}
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        """A snapshot for logs and ``mcp-agent`` status output."""
+        return {
+            "device_id": self.device_id,
+            "online": self.online.is_set(),
+            "connections": self.connections,
+            "tcp_nodelay": self.mqtt.tcp_nodelay,
+            "spool_rows": self.spool.rows,
+            "spool_dropped": dict(self.spool.dropped),
+            "bad_messages": {f"{c}/{r}": n for (c, r), n in self.metrics.dropped.items()},
+            "fleet_models": sorted(self._fleet_filters),
+        }
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)

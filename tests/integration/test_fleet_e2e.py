@@ -1,0 +1,163 @@
+"""The whole fleet path with real processes: control plane, Mosquitto with dynamic security,
+two enrolled agents, MQTT inference by device and by fleet topic, offline via the will."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent.fleet.client import InferenceClient
+from controlplane.broker.dynsec import DynsecProvisioner
+from tests.support.models import DigitsModels
+from tests.support.mosquitto import DynsecMosquittoBroker
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT = [sys.executable, "-m", "agent.cli"]
+CP = [sys.executable, "-m", "controlplane.cli"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _api(url: str, token: str) -> Any:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+    yield procs
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def _devices(cp_url: str, token: str) -> dict[str, dict[str, Any]]:
+    body = _api(f"{cp_url}/api/v1/devices", token)
+    items = body["items"] if isinstance(body, dict) else body
+    return {d["id"]: d for d in items}
+
+
+def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
+    fresh_dynsec_broker: DynsecMosquittoBroker, digits: DigitsModels, tmp_path: Path,
+    processes: list[subprocess.Popen[str]],
+) -> None:
+    broker = fresh_dynsec_broker
+    broker_url = f"mqtt://{broker.host}:{broker.port}"
+    secret = tmp_path / "broker-admin.pw"
+    secret.write_text(broker.admin_password)
+    secret.chmod(0o600)
+    admin_pw = tmp_path / "admin.pw"
+    admin_pw.write_text("correct horse battery staple")
+    data = tmp_path / "cp"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    init = subprocess.run(
+        [*CP, "init", "--data-dir", str(data), "--broker-url", broker_url,
+         "--broker-admin-url", broker_url, "--broker-admin-user", broker.admin_username,
+         "--broker-admin-password-file", str(secret), "--admin-user", "admin",
+         "--admin-password-file", str(admin_pw)],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+    )
+    assert init.returncode == 0, init.stderr
+    api_token = init.stdout.strip().splitlines()[-1]
+    cp = subprocess.Popen(
+        [*CP, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{_free_port()}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+    )
+    processes.append(cp)
+    assert cp.stdout is not None
+    cp_url = cp.stdout.readline().strip()
+    assert cp_url.startswith("http://"), cp.stderr.read() if cp.poll() is not None else cp_url
+    token = subprocess.run(
+        [*CP, "tokens", "create", "--uses", "2", "--expires", "1h", "--labels", "site=lab",
+         "--server", cp_url, "--token", api_token],
+        capture_output=True, text=True, timeout=60, cwd=REPO, env=env,
+    )
+    assert token.returncode == 0, token.stderr
+    enroll_token = token.stdout.strip().splitlines()[-1]
+
+    agents: dict[str, subprocess.Popen[str]] = {}
+    for name in ("cam-1", "cam-2"):
+        state = tmp_path / name
+        enrolled = subprocess.run(
+            [*AGENT, "enroll", "--server", cp_url, "--token", enroll_token, "--device-id", name,
+             "--state-dir", str(state)],
+            capture_output=True, text=True, timeout=60, cwd=REPO, env=env,
+        )
+        assert enrolled.returncode == 0, enrolled.stderr
+        assert f"enrolled as {name}" in enrolled.stdout
+        again = subprocess.run(
+            [*AGENT, "enroll", "--server", cp_url, "--token", enroll_token, "--device-id", name,
+             "--state-dir", str(state)],
+            capture_output=True, text=True, timeout=60, cwd=REPO, env=env,
+        )
+        assert again.returncode == 0 and "nothing changed" in again.stdout
+        proc = subprocess.Popen(
+            [*AGENT, "run", "--model-path", str(digits.onnx_path), "--port", str(_free_port()),
+             "--state-dir", str(state), "--health-interval", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+        )
+        processes.append(proc)
+        agents[name] = proc
+
+    def both_online() -> bool:
+        devices = _devices(cp_url, api_token)
+        return all(devices.get(n, {}).get("online") for n in agents)
+
+    _wait(both_online, "both agents online in GET /api/v1/devices", 60)
+    devices = _devices(cp_url, api_token)
+    assert devices["cam-1"]["labels"] == {"site": "lab"}
+    _wait(lambda: len(_api(f"{cp_url}/api/v1/devices/cam-1/health", api_token)["items"]) > 0,
+          "a health sample from cam-1", 60)
+
+    async def infer() -> None:
+        async with DynsecProvisioner(broker.host, broker.port, broker.admin_username,
+                                     broker.admin_password) as prov:
+            creds = await prov.provision_app_client("e2e-app")
+        x = digits.X_test[:5].astype(np.float32)
+        async with InferenceClient(broker.host, broker.port, client_id=creds.client_id,
+                                   username=creds.username, password=creds.password) as client:
+            for device in ("cam-1", "cam-2", None):
+                resp = await client.infer("digits", {"input": x}, device=device, timeout_s=10)
+                scores = np.asarray(resp.outputs[0].data, dtype=np.float32).reshape(5, 10)
+                assert scores.argmax(1).tolist() == digits.y_test[:5].tolist()
+
+    asyncio.run(infer())
+
+    agents["cam-2"].send_signal(signal.SIGKILL)
+    agents["cam-2"].wait(timeout=10)
+    _wait(lambda: not _devices(cp_url, api_token)["cam-2"]["online"],
+          "cam-2 offline through its last will", 90)
+    assert _devices(cp_url, api_token)["cam-1"]["online"]
