@@ -10,6 +10,7 @@ import click
 
 from agent import __version__
 from agent.enroll_cli import enroll_command
+from agent.fleet.cli import infer_command
 from agent.run import run_command
 from agent.serve import serve_command
 from shared.profiles import HardwareProfile, load_profiles
@@ -225,6 +226,7 @@ def _render_backends(report: dict[str, Any]) -> list[str]:
 main.add_command(serve_command)
 main.add_command(enroll_command)
 main.add_command(run_command)
+main.add_command(infer_command)
 
 
 if __name__ == "__main__":

@@ -53,8 +53,10 @@ def fleet_attachment(
     async def attach(manager: ModelManager, profile: HardwareProfile) -> AsyncIterator[object]:
         import ssl
 
+        from agent.fleet.metrics import FleetMetrics
         from agent.fleet.session import FleetConfig, FleetSession
         from agent.fleet.spool import Spool
+        from agent.fleet.telemetry import HealthCollector
 
         assert answer.broker is not None
         config = FleetConfig(
@@ -69,7 +71,11 @@ def fleet_attachment(
             inference_interval_s=inference_interval_s,
         )
         spool = Spool(state_dir / "spool.sqlite3")
-        async with FleetSession(config, spool=spool, manager=manager) as session:
+        health = HealthCollector(sources=profile.telemetry.sources, disk_path=state_dir)
+        async with FleetSession(
+            config, spool=spool, manager=manager, health=health,
+            metrics=FleetMetrics(manager.metrics.registry),
+        ) as session:
             yield session
 
     return attach

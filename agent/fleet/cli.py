@@ -19,14 +19,6 @@ from typing import Any
 import click
 import numpy as np
 
-from agent.fleet.client import (
-    InferenceClient,
-    InferenceClientError,
-    InferenceReplyError,
-    build_request,
-    parse_reply,
-)
-from agent.fleet.mqtt import parse_host_port
 from shared.errors import MessageError
 from shared.protocol.inference import Datatype
 
@@ -46,6 +38,9 @@ def _load_data(text: str) -> Any:
 
 def request_body(data: Any, input_name: str, datatype: str) -> bytes:
     """Raises click.BadParameter for data that is neither a request body nor numbers."""
+    # Imported here: `mcp-agent serve` registers this command and must not load paho.
+    from agent.fleet.client import build_request
+
     if isinstance(data, dict):
         if "inputs" not in data:
             raise click.BadParameter(
@@ -140,6 +135,14 @@ def infer_command(
     cafile: str | None,
 ) -> None:
     """Send one inference request over MQTT and print the reply."""
+    from agent.fleet.client import (
+        InferenceClient,
+        InferenceClientError,
+        InferenceReplyError,
+        parse_reply,
+    )
+    from agent.fleet.mqtt import parse_host_port
+
     try:
         host, port = parse_host_port(broker, 8883 if tls else 1883)
     except ValueError as e:
