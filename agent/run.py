@@ -17,16 +17,16 @@ from urllib.parse import urlsplit
 
 import click
 
-from agent.identity import IdentityError, load_enrollment
 from agent.runtime.manager import ModelManager
 from agent.serve import Attach
 from shared.errors import McpError
 from shared.profiles import HardwareProfile
-from shared.protocol.enrollment import EnrollmentStatus
 
 
 def broker_address(url: str) -> tuple[str, int, bool]:
     """``mqtt://host:port`` / ``mqtts://host:port`` → (host, port, tls). Raises IdentityError."""
+    from agent.identity import IdentityError
+
     parts = urlsplit(url)
     if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl") or not parts.hostname:
         raise IdentityError(f"broker URL {url!r} must look like mqtt://host:1883")
@@ -38,6 +38,10 @@ def fleet_attachment(
     state_dir: Path, *, health_interval_s: float, inference_interval_s: float
 ) -> Attach:
     """The ``attach`` hook for :func:`agent.serve.run_server` that runs the fleet session."""
+    # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
+    from agent.identity import IdentityError, load_enrollment
+    from shared.protocol.enrollment import EnrollmentStatus
+
     enrollment = load_enrollment(state_dir)
     if enrollment is None:
         raise IdentityError(f"{state_dir}: not enrolled; run `mcp-agent enroll` first")
