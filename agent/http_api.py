@@ -100,10 +100,6 @@ def classify(e: Exception) -> ApiError:
     return ApiError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}")
 
 
-def _error_cause(e: ApiError) -> str:
-    return e.code.value
-
-
 # ---------------------------------------------------------------------------- inputs / outputs
 def tensors_to_feeds(inputs: list[InferTensor], specs: tuple[TensorSpec, ...]) -> dict[str, Array]:
     """Check request tensors against the model's inputs and turn them into arrays.
@@ -186,7 +182,7 @@ class Handlers:
         if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
             m.rejections.labels(label, err.code.value).inc()
         else:
-            m.errors.labels(label, _error_cause(err)).inc()
+            m.errors.labels(label, err.code.value).inc()
         m.requests.labels(label, protocol, str(err.code.http_status)).inc()
         return _error(err)
 

@@ -15,7 +15,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import KeyFileError, McpError, MessageError
+from shared.errors import McpError, MessageError
 from shared.fsutil import atomic_write_bytes
 from shared.protocol.codec import validate
 from shared.protocol.enrollment import EnrollmentAnswer
@@ -87,9 +87,3 @@ def load_enrollment(state_dir: Path) -> Enrollment | None:
         raise IdentityError(f"{path}: not a valid enrollment record ({e})") from e
     return Enrollment(server, answer)
 
-
-def require_device_key(state_dir: Path) -> PrivateKey:
-    try:
-        return read_private_key(key_path(state_dir))
-    except KeyFileError as e:
-        raise IdentityError(f"no device identity: {e}; run `mcp-agent enroll` first") from e

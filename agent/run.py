@@ -112,15 +112,10 @@ def run_command(
       mcp-agent enroll --server http://cp:8080 --token $TOKEN
       mcp-agent run --model-path /var/lib/mcp-agent/models
     """
-    import asyncio
-    import logging
-
-    from agent.serve import ServeConfig, _install_event_loop, default_state_dir, run_server
+    from agent.serve import ServeConfig, configure_logging, default_state_dir, run_until_stopped
     from shared.signing import read_public_key
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(log_level)
     state = state_dir or default_state_dir()
     try:
         attach = fleet_attachment(
@@ -133,10 +128,4 @@ def run_command(
         model_path=model_path, host=host, port=port, workers=workers, trusted_keys=keys,
         state_dir=state,
     )
-    _install_event_loop()
-    try:
-        asyncio.run(run_server(config, attach=attach))
-    except (McpError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
-    except OSError as e:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    run_until_stopped(config, attach)

@@ -199,6 +199,25 @@ def _install_event_loop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None:
+    """The CLI side of :func:`run_server`: uvloop where available, errors as one clean line."""
+    _install_event_loop()
+    try:
+        asyncio.run(run_server(config, attach=attach))
+    except (RepositoryError, McpError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    except OSError as e:
+        raise click.ClickException(
+            f"cannot listen on {config.host}:{config.port}: {e.strerror or e}"
+        ) from e
+
+
 @click.command("serve")
 @click.option(
     "--model-path",
@@ -336,9 +355,7 @@ def serve_command(
       mcp-agent serve --model-path digits.onnx --canary next/digits.onnx:0.2
       curl localhost:8080/v2/models/digits
     """
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(log_level)
     from shared.signing import read_public_key
 
     try:
@@ -370,10 +387,4 @@ def serve_command(
         candidates=candidates,
         canary_max_error_rate=canary_max_error_rate,
     )
-    _install_event_loop()
-    try:
-        asyncio.run(run_server(config))
-    except (RepositoryError, McpError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
-    except OSError as e:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    run_until_stopped(config)

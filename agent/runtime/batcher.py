@@ -173,10 +173,6 @@ class DynamicBatcher:
     def queue_depth(self) -> int:
         return self._queued
 
-    @property
-    def in_flight(self) -> int:
-        return sum(1 for i in self._instances if i.busy)
-
     async def infer(
         self,
         feeds: dict[str, Array],
