@@ -1,0 +1,123 @@
+"""Repository transport: TUF metadata and target bytes over MQTT request/response (DESIGN 4.4).
+
+A device asks on its own ``mcp/v1/dev/{device}/repo`` topic, with the MQTT 5 response topic
+``mcp/v1/dev/{device}/repo/reply`` and a fresh correlation data per request. The request
+payload is a small JSON object (:class:`RepoRequest`)::
+
+    {"path": "metadata/3.snapshot.json", "offset": 0, "length": 131072}
+
+``path`` is relative to the repository root: ``metadata/<file>`` (what ngclient asks for under
+its metadata base URL) or ``targets/<dir>/<hash>.<name>`` (consistent-snapshot target names).
+
+The reply carries the bytes themselves as the payload (no JSON, no base64: a chunk is copied
+once) and says what they are in MQTT 5 user properties (:class:`RepoReply`)::
+
+    status   ok | not_found | bad_request | error
+    size     the whole file's length in bytes (status ok)
+    offset   the offset the payload starts at (status ok)
+    error    a reason (any other status)
+
+A request for an offset at or past the end answers ``ok`` with an empty payload and the size,
+so a reader learns the length without a special request. ``not_found`` is explicit: the
+device's TUF fetcher raises it as HTTP 404, which ngclient relies on while probing for newer
+root versions.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import Field, field_validator
+
+from shared.errors import MessageError
+from shared.protocol.base import Message
+
+MAX_CHUNK_BYTES = 128 * 1024
+"""The most bytes one reply carries."""
+
+MAX_PATH_LENGTH = 512
+_PATH = re.compile(r"(?:metadata|targets)(?:/[A-Za-z0-9][A-Za-z0-9._+-]{0,127}){1,8}")
+
+
+def validate_repo_path(path: str) -> str:
+    """Return ``path`` when it is a safe repository path; raise MessageError otherwise.
+
+    Safe: ``metadata/...`` or ``targets/...``, segments of ``[A-Za-z0-9._+-]`` that start with a
+    letter or digit (so never ``..``, never absolute, never a hidden file), at most 8 deep.
+    """
+    if not isinstance(path, str) or len(path) > MAX_PATH_LENGTH or not _PATH.fullmatch(path):
+        raise MessageError(
+            f"repository path {str(path)[:80]!r} is not metadata/<file> or targets/<path> "
+            "made of [A-Za-z0-9._+-] segments"
+        )
+    return path
+
+
+class RepoRequest(Message):
+    """One chunk of one repository file."""
+
+    MAX_BYTES: ClassVar[int] = 2048
+
+    path: str = Field(min_length=1, max_length=MAX_PATH_LENGTH)
+    offset: int = Field(default=0, ge=0, le=2**53)
+    length: int = Field(default=MAX_CHUNK_BYTES, ge=1, le=MAX_CHUNK_BYTES)
+
+    @field_validator("path")
+    @classmethod
+    def _safe_path(cls, value: str) -> str:
+        try:
+            return validate_repo_path(value)
+        except MessageError as e:
+            raise ValueError(str(e)) from e
+
+
+class RepoStatus(str, enum.Enum):
+    OK = "ok"
+    NOT_FOUND = "not_found"
+    BAD_REQUEST = "bad_request"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class RepoReply:
+    """What a reply's user properties say about its payload."""
+
+    status: RepoStatus
+    size: int | None = None
+    offset: int | None = None
+    error: str = ""
+
+    def user_properties(self) -> list[tuple[str, str]]:
+        props = [("status", self.status.value)]
+        if self.size is not None:
+            props.append(("size", str(self.size)))
+        if self.offset is not None:
+            props.append(("offset", str(self.offset)))
+        if self.error:
+            props.append(("error", self.error[:512]))
+        return props
+
+    @classmethod
+    def from_user_properties(cls, props: Iterable[tuple[str, str]]) -> RepoReply:
+        """Parse a reply's user properties; raises MessageError when they make no sense."""
+        values: dict[str, str] = {}
+        for key, value in props:
+            values.setdefault(key.lower(), value)
+        try:
+            status = RepoStatus(values.get("status", ""))
+        except ValueError:
+            raise MessageError(f"repository reply status {values.get('status')!r:.40}") from None
+        if status is not RepoStatus.OK:
+            return cls(status, error=values.get("error", "")[:512])
+        try:
+            size = int(values["size"])
+            offset = int(values["offset"])
+        except (KeyError, ValueError):
+            raise MessageError("repository reply without a numeric size and offset") from None
+        if size < 0 or offset < 0:
+            raise MessageError("repository reply with a negative size or offset")
+        return cls(status, size=size, offset=offset)
