@@ -279,3 +279,55 @@ class ReportedStateRow(Base):
     received_at: Mapped[datetime]
     applied_seq: Mapped[int] = mapped_column(BigInteger)
     document: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+# ---------------------------------------------------------------------------- registry (0003)
+# The model registry behind the TUF repository (controlplane.repository): publisher keys,
+# models and their versions. A version is one signed bundle, published as one TUF target.
+
+
+class PublisherKey(Base):
+    """A publisher (ML team) key allowed to sign bundles; listed in signed TUF targets."""
+
+    __tablename__ = "publisher_keys"
+
+    keyid: Mapped[str] = mapped_column(String(64), primary_key=True)
+    public_key: Mapped[str] = mapped_column(String(64), unique=True)
+    name: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+class Model(Base):
+    """A model name; its versions are :class:`ModelVersion` rows."""
+
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime]
+
+
+class ModelVersion(Base):
+    """One published version of a model: a signed bundle stored as a TUF target.
+
+    ``version_numeric`` is :func:`shared.version.parse`'s release counter (orders versions in
+    SQL). ``profiles`` lists the hardware profiles some variant of the bundle fits (empty: any);
+    ``variants`` is ``[{"name", "file", "sha256", "size", "profiles"}]`` from the manifest.
+    """
+
+    __tablename__ = "model_versions"
+    __table_args__ = (UniqueConstraint("model", "version", name="uq_model_versions_model_version"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(64), ForeignKey("models.name", ondelete="CASCADE"))
+    version: Mapped[str] = mapped_column(String(128))
+    version_numeric: Mapped[int] = mapped_column(BigInteger)
+    target_path: Mapped[str] = mapped_column(String(512), unique=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    length: Mapped[int] = mapped_column(BigInteger)
+    format: Mapped[str] = mapped_column(String(16))
+    profiles: Mapped[list[str]] = mapped_column(JSON, default=list)
+    variants: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    publisher_keyid: Mapped[str] = mapped_column(String(64))
+    uploaded_by: Mapped[str] = mapped_column(String(128), default="")
+    created_at: Mapped[datetime]
