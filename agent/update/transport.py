@@ -1,0 +1,58 @@
+"""How the agent reaches the control plane's TUF repository: one interface, several transports.
+
+A :class:`RepoTransport` gives ``tuf.ngclient.Updater`` a metadata fetcher and downloads target
+files with resume. Implementations: MQTT request/response (:mod:`agent.update.transport_mqtt`,
+the default), HTTP(S) (:mod:`agent.update.transport_http`) and a local directory
+(:mod:`agent.update.transport_file`, for air-gapped sites and tests).
+
+Everything here is synchronous: ngclient is, so the updater runs in a worker thread and a
+transport bridges to its own I/O (the MQTT one to the agent's event loop).
+
+Errors (all from ``tuf.api.exceptions``, so ngclient handles them as it does for HTTP)::
+
+    DownloadError                    transport trouble: retry later
+    ├── DownloadHTTPError(404)       the repository says the file does not exist
+    ├── DownloadLengthMismatchError  the file is longer than the caller allows (endless data)
+    └── SlowRetrievalError           no progress within the per-chunk or total timeout
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from tuf.ngclient import FetcherInterface
+
+Progress = Callable[[int, int], None]
+"""Called with ``(bytes_done, bytes_total)`` as a download advances."""
+
+
+class RepoTransport(Protocol):
+    """A way to the repository: metadata for ngclient, target bytes with resume."""
+
+    @property
+    def metadata_url(self) -> str:
+        """Base URL ngclient appends metadata file names to (ends with ``/``)."""
+        ...
+
+    @property
+    def targets_url(self) -> str:
+        """Base URL target paths (``{dir}/{sha256}.{name}``) are appended to (ends with ``/``)."""
+        ...
+
+    def fetcher(self) -> FetcherInterface:
+        """The ``FetcherInterface`` ngclient uses for metadata (and may use for targets)."""
+        ...
+
+    def download(
+        self, url: str, dest: Path, *, length: int, progress: Progress | None = None
+    ) -> int:
+        """Fetch ``url`` into ``dest``, resuming after the bytes ``dest`` already holds.
+
+        Writes at most ``length`` bytes in all: a file the repository says is longer raises
+        ``DownloadLengthMismatchError`` before anything past ``length`` is written. ``dest`` is
+        fsynced before returning. Returns the number of bytes transferred by this call (a resume
+        transfers only the rest). Does not check hashes: the caller verifies against TUF.
+        """
+        ...
