@@ -13,6 +13,7 @@ from agent.enroll_cli import enroll_command
 from agent.fleet.cli import infer_command
 from agent.run import run_command
 from agent.serve import serve_command
+from agent.update.cli import updates_command
 from shared.profiles import HardwareProfile, load_profiles
 
 
@@ -227,6 +228,7 @@ main.add_command(serve_command)
 main.add_command(enroll_command)
 main.add_command(run_command)
 main.add_command(infer_command)
+main.add_command(updates_command)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,8 @@ async def enroll(
             )
             answer = await _post(http, base, sign_enrollment(request, key), force)
             save_enrollment(state_dir, server, answer)
+            if answer.trust is not None and answer.trust.tuf_root is not None:
+                _store_tuf_root(state_dir, answer.trust.tuf_root)
             if answer.status is EnrollmentStatus.ACCEPTED:
                 return answer
             remaining = deadline - asyncio.get_running_loop().time()
@@ -114,6 +116,18 @@ async def _post(
         return decode(body, EnrollmentAnswer)
     except MessageError as e:
         raise EnrollError(f"{base} sent an answer this agent cannot read: {e}") from e
+
+
+def _store_tuf_root(state_dir: Path, root: dict[str, object]) -> None:
+    """Keep the TUF root from the answer as the update agent's trust anchor."""
+    import json
+
+    from agent.update.tuf_client import store_bootstrap_root
+
+    try:
+        store_bootstrap_root(state_dir, json.dumps(root).encode())
+    except ValueError as e:
+        raise EnrollError(f"the control plane sent an unusable TUF root: {e}") from e
 
 
 def _reason(body: bytes) -> str:

@@ -82,6 +82,32 @@ def pick_variant(manifest: BundleManifest, profile: HardwareProfile) -> str:
     return "default"
 
 
+def bundle_source(
+    manifest: BundleManifest,
+    root: Path,
+    tag: str,
+    *,
+    origin: Path | None = None,
+    signer_keyid: str | None = None,
+) -> ModelSource:
+    """The :class:`ModelSource` of variant ``tag`` of a bundle unpacked (and verified) under
+    ``root``: its model file, labels and preprocessing. Raises KeyError for an unknown tag."""
+    labels: tuple[str, ...] = ()
+    if manifest.labels is not None:
+        text = (root / manifest.labels.file).read_text(encoding="utf-8")
+        labels = tuple(line.strip() for line in text.splitlines() if line.strip())
+    pre = manifest.preprocessing.model_dump(mode="json") if manifest.preprocessing else None
+    return ModelSource(
+        name=manifest.name,
+        version=manifest.version,
+        model_path=root / manifest.variant(tag).file,
+        labels=labels,
+        preprocessing=pre,
+        origin=origin,
+        signer_keyid=signer_keyid,
+    )
+
+
 class ModelRepository:
     """Turns model files into :class:`ModelSource` objects the manager can load."""
 
@@ -127,21 +153,9 @@ class ModelRepository:
         )
         if not signed:
             log.warning("%s: publisher signature not checked (no --trust-key given)", path.name)
-        manifest = opened.manifest
-        tag = pick_variant(manifest, self.profile)
-        labels: tuple[str, ...] = ()
-        if manifest.labels is not None:
-            text = opened.path_of(manifest.labels.file).read_text(encoding="utf-8")
-            labels = tuple(line.strip() for line in text.splitlines() if line.strip())
-        pre = manifest.preprocessing.model_dump(mode="json") if manifest.preprocessing else None
-        return ModelSource(
-            name=manifest.name,
-            version=manifest.version,
-            model_path=opened.variant_path(tag),
-            labels=labels,
-            preprocessing=pre,
-            origin=path,
-            signer_keyid=opened.signer_keyid,
+        tag = pick_variant(opened.manifest, self.profile)
+        return bundle_source(
+            opened.manifest, opened.root, tag, origin=path, signer_keyid=opened.signer_keyid
         )
 
     async def load_all(self, manager: ModelManager) -> dict[Path, ModelFile]:

@@ -4,15 +4,18 @@ It reads the enrollment stored by ``mcp-agent enroll`` (device id, broker URL, p
 credentials), serves the models under ``--model-path`` over HTTP exactly like ``serve``, and
 keeps one MQTT 5 session to the broker: birth/will status, health and inference telemetry
 (spooled on disk while offline), commands, and MQTT inference on the device's own topics and
-the fleet's shared topics. Model distribution from the control plane comes with signed desired
-states; until then the models are the ones on disk.
+the fleet's shared topics. Signed desired states go to the update agent
+(:mod:`agent.update.updater`), which installs models into the state directory from the TUF
+repository over MQTT (or ``--repo``) and serves them beside the ones under ``--model-path``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import click
@@ -21,6 +24,11 @@ from agent.runtime.manager import ModelManager
 from agent.serve import Attach
 from shared.errors import McpError
 from shared.profiles import HardwareProfile
+
+if TYPE_CHECKING:
+    from agent.update.transport import RepoTransport
+    from shared.protocol.enrollment import TrustRoot
+    from shared.signing import PublicKey
 
 
 def broker_address(url: str) -> tuple[str, int, bool]:
@@ -34,8 +42,29 @@ def broker_address(url: str) -> tuple[str, int, bool]:
     return parts.hostname, parts.port or (8883 if tls else 1883), tls
 
 
+def repo_transport(url: str) -> RepoTransport:
+    """The transport for ``--repo``: ``file:///dir`` or a plain path, or ``http(s)://...``.
+
+    Raises ValueError for another scheme or a missing directory.
+    """
+    from agent.update.transport_file import FileRepoTransport
+
+    scheme = urlsplit(url).scheme
+    if scheme in ("http", "https"):
+        from agent.update.transport_http import HttpRepoTransport
+
+        return HttpRepoTransport(url)
+    if scheme in ("", "file"):
+        return FileRepoTransport(url)
+    raise ValueError(f"--repo {url!r}: use file:///path, http:// or https://")
+
+
 def fleet_attachment(
-    state_dir: Path, *, health_interval_s: float, inference_interval_s: float
+    state_dir: Path,
+    *,
+    health_interval_s: float,
+    inference_interval_s: float,
+    repo_url: str | None = None,
 ) -> Attach:
     """The ``attach`` hook for :func:`agent.serve.run_server` that runs the fleet session."""
     # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
@@ -52,6 +81,8 @@ def fleet_attachment(
             "approve it, then run `mcp-agent enroll` again"
         )
     host, port, tls = broker_address(answer.broker.urls[0])
+    trust = _trust(state_dir, answer.trust)
+    transport = repo_transport(repo_url) if repo_url else None
 
     @contextlib.asynccontextmanager
     async def attach(manager: ModelManager, profile: HardwareProfile) -> AsyncIterator[object]:
@@ -74,20 +105,58 @@ def fleet_attachment(
             health_interval_s=health_interval_s,
             inference_interval_s=inference_interval_s,
         )
+        from agent.update.updater import UpdateAgent
+
         spool = Spool(state_dir / "spool.sqlite3")
         health = HealthCollector(sources=profile.telemetry.sources, disk_path=state_dir)
+        updates: list[UpdateAgent] = []
+        ready = asyncio.Event()
+
+        async def on_desired(envelope: Any) -> None:
+            await ready.wait()  # desired states wait until installed models are back
+            await updates[0].handle_desired(envelope)
+
         async with FleetSession(
             config, spool=spool, manager=manager, health=health,
-            metrics=FleetMetrics(manager.metrics.registry),
+            metrics=FleetMetrics(manager.metrics.registry), desired_handler=on_desired,
+            state_provider=lambda: updates[0].reported_state(),
         ) as session:
+            update = UpdateAgent(
+                state_dir, answer.device_id, profile, manager,
+                transport or session.repo_transport, trust[0], events=session, tuf_root=trust[1],
+            )  # fmt: skip
+            updates.append(update)
+            await update.resume()
+            ready.set()
+            await session.sync_models()
             yield session
 
     return attach
 
 
+def _trust(state_dir: Path, trust: TrustRoot | None) -> tuple[list[PublicKey], bytes | None]:
+    """Director keys and the TUF root this device was given at enrollment."""
+    import json
+
+    from agent.update.tuf_client import load_bootstrap_root
+    from shared.signing import PublicKey
+
+    if trust is None:
+        return [], load_bootstrap_root(state_dir)
+    keys = [PublicKey.from_hex(k) for k in trust.director_keys]
+    root = load_bootstrap_root(state_dir)
+    if root is None and trust.tuf_root is not None:
+        root = json.dumps(trust.tuf_root).encode()
+    return keys, root
+
+
 @click.command("run")
-@click.option("--model-path", required=True, type=click.Path(exists=True, path_type=Path),
-              help="A model file (.onnx, .tflite, .mcpb) or a directory of them.")
+@click.option("--model-path", default=None, type=click.Path(exists=True, path_type=Path),
+              help="Also serve this model file (.onnx, .tflite, .mcpb) or directory of them, "
+                   "beside the models the control plane deploys.")
+@click.option("--repo", "repo_url", default=None, metavar="URL",
+              help="Fetch model updates from this TUF repository (file:///media/usb/repo, "
+                   "https://cdn/repo) instead of over MQTT from the control plane.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Local HTTP address.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64))
@@ -102,15 +171,17 @@ def fleet_attachment(
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def run_command(
-    model_path: Path, host: str, port: int, workers: int, state_dir: Path | None,
+    model_path: Path | None, host: str, port: int, workers: int, state_dir: Path | None,
     trust_keys: tuple[Path, ...], health_interval: float, stats_interval: float, log_level: str,
+    repo_url: str | None,
 ) -> None:
     """Run enrolled: serve models locally and keep the fleet session to the broker.
 
     \b
     Examples:
       mcp-agent enroll --server http://cp:8080 --token $TOKEN
-      mcp-agent run --model-path /var/lib/mcp-agent/models
+      mcp-agent run                       # models come from the control plane
+      mcp-agent run --model-path ./models # plus local ones
     """
     from agent.serve import ServeConfig, configure_logging, default_state_dir, run_until_stopped
     from shared.signing import read_public_key
@@ -119,10 +190,11 @@ def run_command(
     state = state_dir or default_state_dir()
     try:
         attach = fleet_attachment(
-            state, health_interval_s=health_interval, inference_interval_s=stats_interval
+            state, health_interval_s=health_interval, inference_interval_s=stats_interval,
+            repo_url=repo_url,
         )
         keys = tuple(read_public_key(p) for p in trust_keys)
-    except McpError as e:
+    except (McpError, ValueError) as e:
         raise click.ClickException(str(e)) from e
     config = ServeConfig(
         model_path=model_path, host=host, port=port, workers=workers, trusted_keys=keys,

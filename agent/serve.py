@@ -57,7 +57,8 @@ def parse_canary(text: str) -> Candidate:
 class ServeConfig:
     """Everything ``serve`` needs, parsed once from flags."""
 
-    model_path: Path
+    model_path: Path | None
+    """A model file or directory to serve and watch; None: only what ``attach`` installs."""
     host: str = "127.0.0.1"
     port: int = 8080
     workers: int = 1
@@ -138,26 +139,27 @@ async def run_server(
         ),
         batching=config.batching,
     )
-    repo = ModelRepository(
-        config.model_path,
-        state_dir=config.state_dir,
-        profile=profile,
-        trusted_keys=config.trusted_keys,
-    )
-    repo.reset_bundle_dir()
-    known = await repo.load_all(manager)
-    for cand in config.candidates:
-        source = repo.source_for(cand.path)
-        await manager.load(
-            source,
-            role=cand.role,
-            canary_weight=cand.weight,
-            max_error_rate=config.canary_max_error_rate,
-        )
     watcher = None
-    if config.watch_interval_s:
-        watcher = RepositoryWatcher(repo, manager, known, interval_s=config.watch_interval_s)
-        watcher.start()
+    if config.model_path is not None:
+        repo = ModelRepository(
+            config.model_path,
+            state_dir=config.state_dir,
+            profile=profile,
+            trusted_keys=config.trusted_keys,
+        )
+        repo.reset_bundle_dir()
+        known = await repo.load_all(manager)
+        for cand in config.candidates:
+            source = repo.source_for(cand.path)
+            await manager.load(
+                source,
+                role=cand.role,
+                canary_weight=cand.weight,
+                max_error_rate=config.canary_max_error_rate,
+            )
+        if config.watch_interval_s:
+            watcher = RepositoryWatcher(repo, manager, known, interval_s=config.watch_interval_s)
+            watcher.start()
     app = build_app(manager, max_body=config.max_body)
     runner = web.AppRunner(app, access_log=log if config.access_log else None, handle_signals=False)
     await runner.setup()
@@ -166,11 +168,20 @@ async def run_server(
     for name in manager.names():
         lv = manager.get(name)
         log.info("serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider)
-    click.echo(
-        f"mcp-agent: serving {', '.join(manager.names())} on http://{config.host}:{config.port} "
-        f"(profile {profile.name}; try GET /v2/models/{manager.names()[0]})",
-        err=True,
-    )
+    names = manager.names()
+    where = f"http://{config.host}:{config.port}"
+    if names:
+        click.echo(
+            f"mcp-agent: serving {', '.join(names)} on {where} "
+            f"(profile {profile.name}; try GET /v2/models/{names[0]})",
+            err=True,
+        )
+    else:
+        click.echo(
+            f"mcp-agent: listening on {where} (profile {profile.name}); models come from the "
+            "state dir and the control plane's desired state",
+            err=True,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,0 +1,439 @@
+"""The update agent: signed desired states in, converged models out (DESIGN 4.2, 4.4, 4.5).
+
+:class:`UpdateAgent` is the fleet session's desired-state handler. For each accepted desired
+state it converges every model's stable, canary and shadow version through the persisted state
+machine (:mod:`agent.update.machine`, handlers in :mod:`agent.update.steps`), publishes a
+:class:`DeploymentEvent` for every step (the flight recorder: ``event_seq`` persisted and
+increasing across restarts) and the :class:`ReportedState` after each change.
+
+At start, :meth:`UpdateAgent.resume` loads the committed versions (whole install directories
+only), finishes or rolls back deployments a crash interrupted, cleans ``staging/`` and applies
+the stored desired state if it was not fully applied.
+
+A desired state is refused (raised as the :class:`shared.errors.McpError` that
+:func:`shared.protocol.state.verify_desired_state` gives) when its signature is not by a
+director key, its ``seq`` is not above the last accepted one (replay) or it has expired
+(freeze); nothing changes then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+from agent import __version__
+from agent.runtime.manager import ModelManager
+from agent.runtime.runner import RunnerError
+from agent.update.machine import Cause, Phase, UpdateError, UpdateRecord, advance, new_record
+from agent.update.machine import Trigger as _Trigger
+from agent.update.steps import (
+    DeploymentRunner,
+    PhaseHook,
+    RetryPolicy,
+    installed_source,
+    loaded_roles,
+)
+from agent.update.store import DiskUsageFn, ModelStore
+from agent.update.transport import RepoTransport
+from agent.update.tuf_client import TufClient, load_bootstrap_root
+from shared.errors import McpError
+from shared.fsutil import atomic_write_bytes
+from shared.profiles import HardwareProfile
+from shared.protocol.state import (
+    DeploymentEvent,
+    DesiredModel,
+    DesiredState,
+    EventOutcome,
+    ModelStatus,
+    ReportedState,
+    TargetRef,
+    verify_desired_state,
+)
+from shared.signing import PublicKey
+
+log = logging.getLogger("mcp.agent.update")
+
+MAX_DESIRED_FILE = 1024 * 1024
+
+
+class UpdateSink(Protocol):
+    """Where events and reported states go (the fleet session implements it)."""
+
+    async def publish_event(self, event: DeploymentEvent) -> None: ...
+
+    async def publish_reported(self, state: ReportedState) -> None: ...
+
+
+class FlightRecorder:
+    """Numbers deployment events (persisted counter), keeps the recent ones, and sends them in
+    order to the sink. ``record`` is thread-safe (download progress comes from a thread)."""
+
+    def __init__(self, store: ModelStore, device_id: str, clock: Callable[[], float]) -> None:
+        self.store, self.device_id, self.clock = store, device_id, clock
+        self.sink: UpdateSink | None = None
+        self.recent: collections.deque[DeploymentEvent] = collections.deque(maxlen=256)
+        self._pending: collections.deque[DeploymentEvent] = collections.deque()
+        self._lock = threading.Lock()
+
+    def record(
+        self, rec: UpdateRecord, phase: Phase, outcome: EventOutcome, message: str = "", *,
+        cause: str | None = None, bytes_done: int | None = None, elapsed_ms: float | None = None,
+    ) -> DeploymentEvent:  # fmt: skip
+        with self._lock:
+            event = DeploymentEvent(
+                device_id=self.device_id, event_seq=self.store.next_event_seq(), ts=self.clock(),
+                model=rec.model, version=rec.to_version, phase=phase, outcome=outcome,
+                message=message[:2048], cause=cause, bytes_done=bytes_done,
+                bytes_total=rec.length, elapsed_ms=elapsed_ms,
+            )  # fmt: skip
+            self.recent.append(event)
+            self._pending.append(event)
+        return event
+
+    async def flush(self) -> None:
+        """Hand pending events to the sink, oldest first (kept while there is no sink)."""
+        while self.sink is not None:
+            with self._lock:
+                if not self._pending:
+                    return
+                event = self._pending[0]
+            try:
+                await self.sink.publish_event(event)
+            except Exception:
+                log.exception("deployment event %d not handed over", event.event_seq)
+                return
+            with self._lock:
+                self._pending.popleft()
+
+
+class UpdateAgent:
+    """Converges this device's models to signed desired states (see the module docstring).
+
+    Args:
+        state_dir: the agent's state directory (``models/``, ``staging/``, ``updates/``, ``tuf/``).
+        device_id: this device; desired states for another device are refused.
+        profile: the hardware profile (picks bundle variants).
+        manager: the model manager that serves.
+        transport: the way to the TUF repository.
+        director_keys: keys desired states must be signed by.
+        events: where events and reported states go (may be attached later with :meth:`attach`).
+        clock: Unix time in seconds (desired-state expiry, event timestamps).
+        tuf_root: the TUF trust anchor (default: the one ``mcp-agent enroll`` stored).
+        retry: attempts and backoff for transport failures.
+        phase_hook: called after each record write, before that phase's work (fault tests).
+        sleep: awaited between retries.
+        disk_usage: ``shutil.disk_usage``-like, for the free-disk check.
+        backends: reported as the device's backends.
+    """
+
+    def __init__(
+        self,
+        state_dir: Path,
+        device_id: str,
+        profile: HardwareProfile,
+        manager: ModelManager,
+        transport: RepoTransport,
+        director_keys: Iterable[PublicKey],
+        *,
+        events: UpdateSink | None = None,
+        clock: Callable[[], float] = time.time,
+        tuf_root: bytes | None = None,
+        retry: RetryPolicy | None = None,
+        phase_hook: PhaseHook | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        disk_usage: DiskUsageFn = shutil.disk_usage,
+        backends: Iterable[str] = (),
+    ) -> None:
+        self.state_dir = Path(state_dir)
+        self.device_id = device_id
+        self.profile = profile
+        self.manager = manager
+        self.transport = transport
+        self.director_keys = list(director_keys)
+        self.clock = clock
+        self.backends = list(backends)
+        self.store = ModelStore(self.state_dir, disk_usage=disk_usage)
+        self.recorder = FlightRecorder(self.store, device_id, clock)
+        self.recorder.sink = events
+        root = tuf_root if tuf_root is not None else load_bootstrap_root(self.state_dir)
+        self._tuf_root = root
+        self.runner = DeploymentRunner(
+            self.store, manager, profile, self._tuf_client, transport,
+            emit=self.recorder.record, clock=clock, sleep=sleep, retry=retry,
+            phase_hook=phase_hook,
+        )  # fmt: skip
+        self._lock = asyncio.Lock()
+        self._desired_path = self.state_dir / "desired-state.json"
+
+    def attach(self, sink: UpdateSink) -> None:
+        """Send events and reported states to ``sink`` from now on (pending events included)."""
+        self.recorder.sink = sink
+
+    def _tuf_client(self) -> TufClient:
+        if self._tuf_root is None:
+            raise UpdateError(Cause.TUF_METADATA,
+                              "no TUF trust root in the state directory; run `mcp-agent enroll`")  # fmt: skip
+        return TufClient(self.state_dir, self.transport, bootstrap_root=self._tuf_root)
+
+    # ------------------------------------------------------------------ desired state
+    def _desired_doc(self) -> dict[str, Any]:
+        try:
+            data = self._desired_path.read_bytes()[: MAX_DESIRED_FILE + 1]
+            doc = json.loads(data)
+            return doc if isinstance(doc, dict) else {}
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    @property
+    def accepted_seq(self) -> int:
+        """The highest desired-state seq accepted (replay protection survives restarts)."""
+        return int(self._desired_doc().get("seq", 0))
+
+    @property
+    def applied_seq(self) -> int:
+        return int(self._desired_doc().get("applied_seq", 0))
+
+    def _save_desired(self, seq: int, applied_seq: int, envelope: Any) -> None:
+        doc = {"seq": seq, "applied_seq": applied_seq, "envelope": envelope}
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self._desired_path, json.dumps(doc).encode())
+
+    def _now(self) -> datetime:
+        return datetime.fromtimestamp(self.clock(), timezone.utc)
+
+    async def handle_desired(self, envelope: Any) -> None:
+        """Verify a desired-state envelope and converge to it.
+
+        Raises the :class:`McpError` of a refused document (signature, schema, another device,
+        replay, expiry); deployment failures are not raised (they are events and records).
+        """
+        async with self._lock:
+            try:
+                state = verify_desired_state(
+                    envelope, self.director_keys, device_id=self.device_id,
+                    last_seq=self.accepted_seq, now=self._now(),
+                )  # fmt: skip
+            except McpError as e:
+                log.warning("desired state refused: %s", e)
+                raise
+            log.info("desired state seq %d accepted (%d models)", state.seq, len(state.models))
+            await asyncio.to_thread(self._save_desired, state.seq, self.applied_seq, envelope)
+            await self._converge(state, envelope)
+
+    async def _converge(self, state: DesiredState, envelope: Any) -> None:
+        for model in state.models:
+            await self._converge_model(model, state.seq)
+        wanted = {m.name for m in state.models}
+        for name in self.store.indexed_models():
+            if name not in wanted:
+                await self._retire_model(name)
+        await asyncio.to_thread(self._save_desired, state.seq, state.seq, envelope)
+        await self._report()
+
+    async def _converge_model(self, model: DesiredModel, seq: int) -> None:
+        await self._deploy(model.name, "stable", model.stable, seq, rollback=model.rollback)
+        index = self.store.index(model.name)
+        if model.canary is not None:
+            c = model.canary
+            if index.canary is not None and index.canary.version == c.target.version:
+                self._set_canary_weight(model.name, c.weight, c.max_error_rate)
+            else:
+                await self._deploy(model.name, "canary", c.target, seq, weight=c.weight,
+                                   max_error_rate=c.max_error_rate)  # fmt: skip
+        elif index.canary is not None:
+            await self._drop_role(model.name, index.canary.version, "canary")
+        index = self.store.index(model.name)
+        if model.shadow is not None:
+            await self._deploy(model.name, "shadow", model.shadow, seq)
+        elif index.shadow is not None:
+            await self._drop_role(model.name, index.shadow, "shadow")
+
+    def _current(self, name: str, role: str) -> str | None:
+        index = self.store.index(name)
+        if role == "stable":
+            return index.active
+        if role == "canary":
+            return index.canary.version if index.canary else None
+        return index.shadow
+
+    async def _deploy(
+        self, name: str, role: str, target: TargetRef, seq: int, *, rollback: bool = False,
+        weight: float = 0.0, max_error_rate: float = 0.05,
+    ) -> UpdateRecord | None:  # fmt: skip
+        current = self._current(name, role)
+        info = self.store.installed(name, target.version)
+        serving = loaded_roles(self.manager, name).get(target.version) == role
+        if current == target.version and serving and info is not None \
+                and info.sha256 == target.sha256:  # fmt: skip
+            log.debug("%s %s already %s: nothing to do", name, target.version, role)
+            return None
+        record = new_record(
+            model=name, role=role, from_version=current, to_version=target.version,
+            target_path=target.target_path, sha256=target.sha256, length=target.length,
+            desired_seq=seq, now=self.clock(), rollback=rollback, canary_weight=weight,
+            max_error_rate=max_error_rate,
+        )  # fmt: skip
+        log.info("deploying %s %s as %s (from %s)", name, target.version, role, current or "nothing")
+        self.recorder.record(record, Phase.IDLE, EventOutcome.PROGRESS,
+                             f"deployment as {role} from {current or 'nothing'} started")  # fmt: skip
+        result = await self.runner.run(record)
+        await self.recorder.flush()
+        await self._report()
+        return result
+
+    def _set_canary_weight(self, name: str, weight: float, max_error_rate: float) -> None:
+        try:
+            canary = self.manager.slot(name).canary
+        except RunnerError:
+            return
+        if canary is not None:
+            canary.weight, canary.max_error_rate = weight, max_error_rate
+        index = self.store.index(name)
+        if index.canary is not None:
+            ref = index.canary.model_copy(update={"weight": weight, "max_error_rate": max_error_rate})
+            self.store.save_index(index.model_copy(update={"canary": ref}))
+
+    async def _drop_role(self, name: str, version: str, role: str) -> None:
+        log.info("%s %s is no longer wanted as %s: unloading", name, version, role)
+        if loaded_roles(self.manager, name).get(version) == role:
+            await self.manager.unload(name, version)
+        index = self.store.index(name)
+        index = index.model_copy(update={role: None})
+        self.store.save_index(index)
+        await asyncio.to_thread(self.store.gc, name, index.referenced())
+
+    async def _retire_model(self, name: str) -> None:
+        index = self.store.index(name)
+        if index.active is None and index.canary is None and index.shadow is None:
+            return
+        log.info("%s is not in the desired state any more: unloading", name)
+        if loaded_roles(self.manager, name):
+            await self.manager.unload(name)
+        previous = index.active or index.previous
+        self.store.save_index(index.model_copy(update={"active": None, "previous": previous,
+                                                       "canary": None, "shadow": None}))  # fmt: skip
+
+    # ------------------------------------------------------------------ start-up
+    async def resume(self) -> None:
+        """Serve what is committed, then finish or roll back interrupted deployments, clean
+        staging, and apply the stored desired state if it was accepted but not applied."""
+        async with self._lock:
+            await asyncio.to_thread(self.store.ensure_dirs)
+            for name in self.store.indexed_models():
+                await self._load_committed(name)
+            for record in self.store.records():
+                if record.interrupted:
+                    await self._recover(record)
+            await asyncio.to_thread(self.store.clean_staging)
+            for name in self.store.indexed_models():
+                await asyncio.to_thread(self.store.gc, name, self.store.index(name).referenced())
+            doc = self._desired_doc()
+            if doc.get("seq", 0) > doc.get("applied_seq", 0):
+                await self._reapply(doc)
+            await self.recorder.flush()
+            await self._report()
+
+    async def _load_committed(self, name: str) -> None:
+        index = self.store.index(name)
+        roles = [("stable", index.active)]
+        if index.canary is not None:
+            roles.append(("canary", index.canary.version))
+        roles.append(("shadow", index.shadow))
+        for role, version in roles:
+            if version is None or loaded_roles(self.manager, name).get(version) == role:
+                continue
+            info = self.store.installed(name, version)
+            if info is None:
+                log.error("%s %s is committed as %s but not installed", name, version, role)
+                continue
+            try:
+                source = installed_source(self.store, info)
+                weight = index.canary.weight if index.canary and role == "canary" else 0.0
+                await self.manager.load(source, role=role, canary_weight=weight)
+            except (RunnerError, UpdateError) as e:
+                log.error("%s %s (%s) does not load: %s", name, version, role, e)
+
+    async def _recover(self, record: UpdateRecord) -> None:
+        installed = self.store.installed(record.model, record.to_version) is not None
+        log.warning("%s %s was interrupted in %s; %s", record.model, record.to_version,
+                    record.phase.value, "resuming")  # fmt: skip
+        if record.phase in (Phase.LOADING, Phase.WARMING) and not installed:
+            record = advance(record, _Trigger.FAIL, now=self.clock(), cause=Cause.INTERRUPTED,
+                             error=f"interrupted in {record.phase.value}; install incomplete")  # fmt: skip
+        self.recorder.record(record, record.phase, EventOutcome.PROGRESS,
+                             "resuming after the agent restarted")  # fmt: skip
+        await self.runner.run(record)
+
+    async def _reapply(self, doc: dict[str, Any]) -> None:
+        try:
+            state = DesiredState.model_validate(doc["envelope"]["signed"])
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("stored desired state unreadable: %s", e)
+            return
+        if self._now() >= state.expires:
+            log.warning("stored desired state seq %d expired; not applied", state.seq)
+            return
+        log.info("applying stored desired state seq %d", state.seq)
+        await self._converge(state, doc["envelope"])
+
+    # ------------------------------------------------------------------ reporting
+    def reported_state(self) -> ReportedState:
+        """What this device runs now, per model."""
+        models = []
+        names = sorted(set(self.store.indexed_models()) | {r.model for r in self.store.records()})
+        for name in names[:64]:
+            index = self.store.index(name)
+            record = self.store.record(name)
+            phase = record.phase if record is not None else Phase.IDLE
+            if phase is Phase.IDLE and index.active is not None:
+                phase = Phase.ACTIVE
+            error = record.error if record is not None and record.phase is Phase.FAILED else None
+            models.append(ModelStatus(
+                name=name, phase=phase, active_version=index.active,
+                canary_version=index.canary.version if index.canary else None,
+                shadow_version=index.shadow,
+                installed_versions=self.store.installed_versions(name)[:16],
+                last_error=(f"{record.cause.value}: {error}" if record and record.cause
+                            and error else None),
+            ))  # fmt: skip
+        return ReportedState(
+            device_id=self.device_id, ts=self.clock(), applied_seq=self.applied_seq,
+            profile=self.profile.name, backends=self.backends[:16], agent_version=__version__,
+            models=models,
+        )  # fmt: skip
+
+    async def _report(self) -> None:
+        sink = self.recorder.sink
+        if sink is None:
+            return
+        try:
+            await sink.publish_reported(self.reported_state())
+        except Exception:
+            log.exception("reported state not handed over")
+
+    def status(self) -> dict[str, Any]:
+        """Records and installed versions, for ``mcp-agent updates``."""
+        return updates_status(self.store)
+
+
+def updates_status(store: ModelStore) -> dict[str, Any]:
+    """A JSON-able snapshot of the update state in a store (no agent needed)."""
+    out: dict[str, Any] = {"models": {}}
+    names = sorted(set(store.indexed_models()) | {r.model for r in store.records()})
+    for name in names:
+        record = store.record(name)
+        out["models"][name] = {
+            "index": store.index(name).model_dump(mode="json"),
+            "installed": store.installed_versions(name),
+            "record": record.model_dump(mode="json") if record else None,
+        }
+    return out
