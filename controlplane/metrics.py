@@ -13,6 +13,10 @@ process never share counters. Families:
   taken in), ``mcp_cp_ingest_committed_total{kind}`` (rows committed), ``mcp_cp_ingest_dropped_total
   {reason}`` (bad or undeliverable messages), ``mcp_cp_ingest_flush_seconds`` and
   ``mcp_cp_ingest_backlog`` (rows waiting for the next flush).
+- repository over MQTT (:mod:`controlplane.repository.mqtt_service`):
+  ``mcp_cp_repo_requests_total{status}`` (answered: ok, not_found, bad_request, error),
+  ``mcp_cp_repo_bytes_total`` (payload bytes sent) and ``mcp_cp_repo_dropped_total{reason}``
+  (unanswerable requests: wrong response topic, no correlation data, not connected).
 """
 
 from __future__ import annotations
@@ -79,6 +83,19 @@ class ControlPlaneMetrics:
         )
         self.ingest_backlog = Gauge(
             "mcp_cp_ingest_backlog", "Ingested messages waiting for the next flush.", registry=r,
+        )
+
+        self.repo_requests = Counter(
+            "mcp_cp_repo_requests_total",
+            "Repository requests over MQTT answered, by reply status.", ["status"], registry=r,
+        )
+        self.repo_bytes = Counter(
+            "mcp_cp_repo_bytes_total", "Repository bytes sent to devices over MQTT.", registry=r,
+        )
+        self.repo_dropped = Counter(
+            "mcp_cp_repo_dropped_total",
+            "Repository requests over MQTT dropped unanswered, by reason.", ["reason"],
+            registry=r,
         )
 
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:

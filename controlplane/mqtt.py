@@ -1,4 +1,4 @@
-"""The control plane's MQTT 5 subscriber: paho made async, for ingestion.
+"""The control plane's MQTT 5 sessions: paho made async, for ingestion and repository serving.
 
 ``async with MqttSubscriber(...)`` owns one session. paho's network loop runs in its own thread
 (``loop_start``); every event crosses to asyncio with ``call_soon_threadsafe``. paho reconnects
@@ -6,8 +6,14 @@ a dropped session by itself (backoff 1-30 s) and :meth:`_on_connect` subscribes 
 filter each time, so the caller never handles reconnects. TCP_NODELAY is set on the socket as
 soon as it opens (DESIGN 8: Nagle costs tens of milliseconds per small packet).
 
-Errors: :class:`MqttError` for anything the broker or paho refuses at start; later losses are
-logged and healed by paho.
+A handler receives ``(topic, payload)`` (``handler``) or, given ``on_message``, a whole
+:class:`ReceivedMessage` with the MQTT 5 properties a request/response service needs (response
+topic, correlation data, user properties, QoS). :meth:`MqttSubscriber.publish` sends and waits
+for the broker's PUBACK; :meth:`MqttSubscriber.publish_nowait` hands the message to paho and
+returns (for high-rate replies whose delivery the requester checks itself).
+
+Errors: :class:`MqttError` for anything the broker or paho refuses at start, and for a publish
+while disconnected or refused by the broker; later losses are logged and healed by paho.
 """
 
 from __future__ import annotations
@@ -35,6 +41,22 @@ log = logging.getLogger("mcp.controlplane.mqtt")
 
 MessageHandler = Callable[[str, bytes], None]
 """Called on the event loop's thread with ``(topic, payload)`` for each delivered message."""
+
+
+@dataclass(frozen=True)
+class ReceivedMessage:
+    """One delivered message with the MQTT 5 properties a request/response service needs."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
+    user_properties: tuple[tuple[str, str], ...] = ()
+
+
+PropertiesHandler = Callable[[ReceivedMessage], None]
+"""Called on the event loop's thread with each delivered :class:`ReceivedMessage`."""
 
 
 class MqttError(McpError):
@@ -67,7 +89,8 @@ class BrokerAddress:
 
 
 class MqttSubscriber:
-    """One MQTT 5 session subscribed to ``filters`` at QoS 1, handing messages to ``handler``.
+    """One MQTT 5 session subscribed to ``filters`` at QoS 1, handing messages to ``handler``
+    (``(topic, payload)``) or, when given, to ``on_message`` (a :class:`ReceivedMessage`).
 
     ``session_expiry_s``: after a crash or a lost connection the broker keeps the session (and
     queues its QoS 1 messages, including its turn of every shared subscription) this long, so
@@ -81,15 +104,22 @@ class MqttSubscriber:
         address: BrokerAddress,
         credentials: Credentials,
         filters: Sequence[str],
-        handler: MessageHandler,
+        handler: MessageHandler | None = None,
         *,
+        on_message: PropertiesHandler | None = None,
+        name: str = "ingest",
         keepalive_s: int = 30,
         session_expiry_s: int = 300,
         timeout_s: float = 10.0,
+        max_inflight: int = 20,
     ) -> None:
+        if (handler is None) == (on_message is None):
+            raise ValueError("give exactly one of handler and on_message")
         self._address = address
         self._filters = list(filters)
         self._handler = handler
+        self._on_message_handler = on_message
+        self._name = name
         self._keepalive_s = keepalive_s
         self._session_expiry_s = session_expiry_s
         self._timeout_s = timeout_s
@@ -101,12 +131,16 @@ class MqttSubscriber:
             self._client.tls_set_context(ssl.create_default_context())
         self._client.connect_timeout = timeout_s
         self._client.reconnect_delay_set(min_delay=1, max_delay=30)
+        self._client.max_inflight_messages_set(max_inflight)
         self._client.on_socket_open = self._on_socket_open
         self._client.on_connect = self._on_connect
         self._client.on_subscribe = self._on_subscribe
         self._client.on_disconnect = self._on_disconnect
         self._client.on_message = self._on_message
+        self._client.on_publish = self._on_publish
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._acks: dict[int, asyncio.Future[None]] = {}
+        self._waiting = 0  # publish() calls waiting for an acknowledgement (read by paho's thread)
         self._subscribed: asyncio.Future[None] | None = None
         self._subscribe_mid: int | None = None
         self._closed = False
@@ -129,7 +163,7 @@ class MqttSubscriber:
         """
         self._loop = asyncio.get_running_loop()
         self._subscribed = self._loop.create_future()
-        props = Properties(PacketTypes.CONNECT)
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = self._session_expiry_s
         try:
             await asyncio.to_thread(
@@ -154,7 +188,7 @@ class MqttSubscriber:
         if self._closed:
             return
         self._closed = True
-        props = Properties(PacketTypes.DISCONNECT)
+        props = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = 0
         self._client.disconnect(properties=props)
         await asyncio.to_thread(self._client.loop_stop)
@@ -191,11 +225,33 @@ class MqttSubscriber:
         self, _c: mqtt.Client, _u: Any, _flags: Any, reason: ReasonCode, _p: Any
     ) -> None:
         if not self._closed:
-            self._post(log.warning, "ingest session to %s lost (%s); paho reconnects",
-                       self.where, reason)
+            self._post(log.warning, "%s session to %s lost (%s); paho reconnects",
+                       self._name, self.where, reason)
 
     def _on_message(self, _c: mqtt.Client, _u: Any, message: mqtt.MQTTMessage) -> None:
-        self._post(self._handler, message.topic, message.payload)
+        if self._handler is not None:
+            self._post(self._handler, message.topic, message.payload)
+            return
+        props = getattr(message, "properties", None)
+        correlation = getattr(props, "CorrelationData", None)
+        received = ReceivedMessage(
+            topic=message.topic,
+            payload=bytes(message.payload),
+            qos=message.qos,
+            response_topic=getattr(props, "ResponseTopic", None),
+            correlation_data=bytes(correlation) if correlation is not None else None,
+            user_properties=tuple(
+                (str(k), str(v)) for k, v in getattr(props, "UserProperty", None) or ()
+            ),
+        )
+        if self._on_message_handler is not None:
+            self._post(self._on_message_handler, received)
+
+    def _on_publish(
+        self, _c: mqtt.Client, _u: Any, mid: int, reason: ReasonCode, _p: Any
+    ) -> None:
+        if self._waiting:  # only publish() waits; publish_nowait() leaves nothing to settle
+            self._post(self._settle, mid, reason)
 
     def _post(self, callback: Callable[..., Any], *args: Any) -> None:
         loop = self._loop
@@ -206,14 +262,99 @@ class MqttSubscriber:
 
     # ---- asyncio's thread ------------------------------------------------------------------
 
+    async def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        user_properties: Sequence[tuple[str, str]] = (),
+        correlation_data: bytes | None = None,
+        response_topic: str | None = None,
+    ) -> None:
+        """Publish and, at QoS 1 or 2, wait for the broker's acknowledgement.
+
+        Raises MqttError: not connected, paho refused the message, the broker answered with a
+        failure reason code (e.g. not authorised), or no acknowledgement within ``timeout_s``.
+        """
+        if qos == 0:
+            self.publish_nowait(
+                topic, payload, qos=0, retain=retain, user_properties=user_properties,
+                correlation_data=correlation_data, response_topic=response_topic,
+            )
+            return
+        loop = asyncio.get_running_loop()
+        self._waiting += 1  # before sending, so paho's thread posts the acknowledgement
+        mid: int | None = None
+        try:
+            mid = self.publish_nowait(
+                topic, payload, qos=qos, retain=retain, user_properties=user_properties,
+                correlation_data=correlation_data, response_topic=response_topic,
+            )
+            # No await since the send: the acknowledgement, posted by paho's thread to this
+            # loop, cannot be handled before the future is registered.
+            ack = self._acks[mid] = loop.create_future()
+            await asyncio.wait_for(ack, self._timeout_s)
+        except asyncio.TimeoutError as e:
+            raise MqttError(f"no acknowledgement from the broker at {self.where} for a publish "
+                            f"on {topic!r} within {self._timeout_s} s") from e
+        finally:
+            self._waiting -= 1
+            if mid is not None:
+                self._acks.pop(mid, None)
+
+    def publish_nowait(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        user_properties: Sequence[tuple[str, str]] = (),
+        correlation_data: bytes | None = None,
+        response_topic: str | None = None,
+    ) -> int:
+        """Hand one message to paho without waiting for the broker; return its message id.
+
+        Raises MqttError: not connected, or paho refused the message (e.g. too large).
+        """
+        if self._closed or not self._client.is_connected():
+            raise MqttError(f"not connected to the broker at {self.where}")
+        props: Properties | None = None
+        if user_properties or correlation_data is not None or response_topic is not None:
+            props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+            if user_properties:
+                props.UserProperty = list(user_properties)
+            if correlation_data is not None:
+                props.CorrelationData = correlation_data
+            if response_topic is not None:
+                props.ResponseTopic = response_topic
+        try:
+            info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+        except ValueError as e:
+            raise MqttError(f"cannot publish on {topic!r}: {e}") from e
+        if info.rc != mqtt.MQTT_ERR_SUCCESS:
+            raise MqttError(f"cannot publish on {topic!r}: {mqtt.error_string(info.rc)}")
+        return int(info.mid)
+
+    def _settle(self, mid: int, reason: ReasonCode) -> None:
+        ack = self._acks.get(mid)
+        if ack is None or ack.done():
+            return
+        if reason.is_failure:
+            ack.set_exception(MqttError(f"the broker at {self.where} refused a publish: {reason}"))
+        else:
+            ack.set_result(None)
+
     def _ready(self) -> None:
         if self._subscribed is not None and not self._subscribed.done():
             self._subscribed.set_result(None)
         else:
-            log.info("ingest session to %s restored and subscribed again", self.where)
+            log.info("%s session to %s restored and subscribed again", self._name, self.where)
 
     def _fail(self, message: str) -> None:
         if self._subscribed is not None and not self._subscribed.done():
             self._subscribed.set_exception(MqttError(message))
         else:
-            log.error("ingest session: %s", message)
+            log.error("%s session: %s", self._name, message)

@@ -52,6 +52,7 @@ from agent.fleet.outbox import Outbox
 from agent.fleet.spool import Spool, SpoolKind
 from agent.fleet.telemetry import HealthCollector, InferenceStatsCollector
 from agent.runtime.manager import ModelManager
+from agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
 from shared.errors import (
     TopicError,
 )
@@ -138,6 +139,7 @@ class FleetSession:
         backoff: Backoff | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.time,
+        repo_config: MqttTransportConfig | None = None,
     ) -> None:
         self.config = config
         self.device_id = topics.validate_id(config.device_id, "device id")
@@ -172,6 +174,8 @@ class FleetSession:
             if manager is not None
             else None
         )
+        self.repo_transport = MqttRepoTransport(self.mqtt, self.device_id, repo_config)
+        """The repository over this session (replies on ``repo/reply`` are routed to it)."""
         self.online = asyncio.Event()
         """Set while connected with subscriptions restored and the birth message sent."""
         self.outbox = Outbox(
@@ -199,7 +203,9 @@ class FleetSession:
         subs = [
             Subscription(t.desired(self.device_id)),
             Subscription(t.command(self.device_id), retain_handling=_NO_RETAINED),
+            Subscription(t.repo_reply(self.device_id), retain_handling=_NO_RETAINED),
         ]
+        self.repo_transport.bind(asyncio.get_running_loop())
         if self.inference is not None:
             subs.append(
                 Subscription(device_infer_filter(self.device_id), retain_handling=_NO_RETAINED)
@@ -431,6 +437,9 @@ class FleetSession:
                 return
             if ch is topics.Channel.COMMAND:
                 self._spawn(self.control.on_command(msg))
+                return
+            if ch is topics.Channel.REPO_REPLY:
+                self.repo_transport.handle_reply(msg)
                 return
         self.metrics.drop("unknown", "topic", "no handler for this topic", msg.topic)
 
