@@ -157,6 +157,11 @@ class DeploymentRunner:
             record = advance(record, trigger, now=self.clock(), bytes_done=got)
             self.emit(record, done, EventOutcome.OK, _DONE.get(done, done.value), elapsed_ms=elapsed,
                       bytes_done=bytes_done)  # fmt: skip
+            if record.phase is Phase.ACTIVE:
+                total_ms = sum(record.timings_ms.values())
+                self.emit(record, Phase.ACTIVE, EventOutcome.OK,
+                          f"active as {record.role} after {total_ms:.0f} ms of work",
+                          elapsed_ms=total_ms)  # fmt: skip
 
     async def _failed(self, record: UpdateRecord, e: UpdateError, spent_s: float) -> UpdateRecord:
         phase = record.phase

@@ -7,13 +7,15 @@ Each attack is refused with its cause while the running version keeps answering.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
 import signal
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,8 @@ import numpy as np
 import pytest
 from tuf.api.exceptions import DownloadError
 
+from agent.fleet.session import FleetConfig, FleetSession
+from agent.fleet.spool import Spool
 from agent.runtime.manager import ModelManager
 from agent.serve import runner_factory
 from agent.update.machine import Cause, Phase
@@ -29,7 +33,12 @@ from agent.update.steps import RetryPolicy
 from agent.update.store import DiskUsage
 from agent.update.transport import Progress
 from agent.update.transport_file import FileRepoTransport
+from agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
 from agent.update.updater import UpdateAgent
+from controlplane.broker.base import Credentials
+from controlplane.metrics import ControlPlaneMetrics
+from controlplane.mqtt import BrokerAddress
+from controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
 from shared.errors import ExpiredError, ReplayError, SigningError
 from shared.profiles import HardwareProfile
 from shared.protocol.state import (
@@ -42,6 +51,7 @@ from shared.protocol.state import (
 )
 from shared.signing import PrivateKey
 from tests.support.models import DigitsModels, onnx_predict
+from tests.support.mosquitto import MosquittoBroker
 from tests.support.tuf import DEVICE, SignedRepo, make_bundle, update_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +81,7 @@ class Env:
         self.state = tmp / "state"
         self.memory: dict[str, int | None] = {"available": None}
         self.managers: list[ModelManager] = []
+        self.default_transport: Any = None
 
     def bundle(self, version: str, *, key: PrivateKey | str | None = "publisher",
                name: str = "digits") -> Path:  # fmt: skip
@@ -106,7 +117,7 @@ class Env:
 
         agent = UpdateAgent(
             self.state, DEVICE, profile, manager,
-            transport or FileRepoTransport(self.repo.directory), [self.repo.repo.director_key()],
+            transport or self.default_transport or FileRepoTransport(self.repo.directory), [self.repo.repo.director_key()],
             events=sink, tuf_root=self.repo.root_bytes(), sleep=no_sleep,
             **({"clock": clock} if clock else {}), **kw,
         )  # fmt: skip
@@ -116,8 +127,49 @@ class Env:
         return self.repo.desired(seq, [DesiredModel(name="digits", stable=stable, **kw)])
 
 
+@contextlib.asynccontextmanager
+async def mqtt_transport(env: Env, broker: MosquittoBroker) -> AsyncIterator[MqttRepoTransport]:
+    """The real path: RepoMqttService serving the repository through Mosquitto to a device's
+    FleetSession, whose MqttRepoTransport the agent uses."""
+    service = RepoMqttService(env.repo.repo.dir, ControlPlaneMetrics())
+    suffix = uuid.uuid4().hex[:8]
+    await service.start(RepoConnection(
+        BrokerAddress(broker.host, broker.port),
+        Credentials(username="svc-cp", password="unused", client_id=f"cp-repo-{suffix}"),
+    ))  # fmt: skip
+    config = FleetConfig(device_id=DEVICE, client_id=f"{DEVICE}-{suffix}", host=broker.host,
+                         port=broker.port, health_interval_s=3600, inference_interval_s=3600)
+    session = FleetSession(config, spool=Spool(env.tmp / "spool.db"), repo_config=MqttTransportConfig(
+        chunk_timeout_s=5.0, chunk_retries=3, backoff_initial_s=0.05, backoff_max_s=0.2))
+    await session.start()
+    try:
+        await session.wait_online(10)
+        yield session.repo_transport
+    finally:
+        await session.close()
+        await service.stop()
+
+
+@pytest.fixture(params=["file", "mqtt"])
+async def env(
+    tmp_path: Path, digits: DigitsModels, request: pytest.FixtureRequest
+) -> AsyncIterator[Env]:
+    """An Env whose agents fetch through the file transport, or over MQTT through Mosquitto."""
+    e = Env(tmp_path, digits)
+    async with contextlib.AsyncExitStack() as stack:
+        if request.param == "mqtt":
+            broker = request.getfixturevalue("mosquitto")
+            e.default_transport = await stack.enter_async_context(mqtt_transport(e, broker))
+        yield e
+        for m in e.managers:
+            await m.close()
+        if request.param == "mqtt":  # the test really went through the broker
+            assert e.default_transport.requests_sent > 0
+
+
 @pytest.fixture
-async def env(tmp_path: Path, digits: DigitsModels) -> Any:
+async def file_env(tmp_path: Path, digits: DigitsModels) -> AsyncIterator[Env]:
+    """An Env on the file transport (for tests that bring their own transport or processes)."""
     e = Env(tmp_path, digits)
     yield e
     for m in e.managers:
@@ -156,7 +208,7 @@ async def test_install_serves_the_model_and_reports_every_step(env: Env) -> None
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     ok_phases = [e.phase for e in sink.events if e.outcome is EventOutcome.OK]
     assert ok_phases == [Phase.DOWNLOADING, Phase.VERIFYING, Phase.INSTALLING, Phase.LOADING,
-                         Phase.WARMING]  # fmt: skip
+                         Phase.WARMING, Phase.ACTIVE]  # fmt: skip
     seqs = [e.event_seq for e in sink.events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
     assert all(e.elapsed_ms is not None for e in sink.events if e.outcome is EventOutcome.OK)
@@ -404,7 +456,8 @@ async def test_explicit_rollback_may_go_below_the_release_counter(env: Env) -> N
     assert index.release_counter == 10010009  # 1.1.0 stays the highest version activated
 
 
-async def test_not_enough_disk_is_refused_before_downloading(env: Env) -> None:
+async def test_not_enough_disk_is_refused_before_downloading(file_env: Env) -> None:
+    env = file_env
     _agent, manager, sink = await installed_v1(env)
     tight, _, _ = env.agent(disk_usage=lambda _: DiskUsage(10**9, 10**9 - 4096, 4096),
                             manager=manager, sink=sink)  # fmt: skip
@@ -433,7 +486,8 @@ class FlakyTransport(FileRepoTransport):
         return self.root / url[len(self.root.as_uri()) + 1:]
 
 
-async def test_transport_errors_retry_and_resume_then_give_up(env: Env) -> None:
+async def test_transport_errors_retry_and_resume_then_give_up(file_env: Env) -> None:
+    env = file_env
     _agent, manager, sink = await installed_v1(env)
     flaky = FlakyTransport(env.repo.directory, failures=2)
     retrying, _, _ = env.agent(transport=flaky, retry=RetryPolicy(max_attempts=3),
@@ -506,8 +560,9 @@ def assert_whole(env: Env, result: dict[str, Any]) -> None:
     ],
 )
 async def test_sigkill_at_each_phase_resumes_or_rolls_back(
-    env: Env, phase: str, signed: bool, expect: str
+    file_env: Env, phase: str, signed: bool, expect: str
 ) -> None:
+    env = file_env
     _agent, _, _ = await installed_v1(env)
     target = env.publish("1.1.0", **({} if signed else {"key": None}))
 
@@ -523,7 +578,8 @@ async def test_sigkill_at_each_phase_resumes_or_rolls_back(
     assert result["status"]["models"]["digits"]["record"]["phase"] == expected_phase
 
 
-async def test_a_real_write_failure_while_staging_rolls_back(env: Env) -> None:
+async def test_a_real_write_failure_while_staging_rolls_back(file_env: Env) -> None:
+    env = file_env
     await installed_v1(env)
     target = env.publish("1.1.0")
 
