@@ -6,6 +6,8 @@ Routes outside the REST table::
     GET /readyz                  the database answers and its schema is at the newest revision
     GET /metrics                 Prometheus exposition
     GET /api/v1/openapi.json     the OpenAPI 3.1 document of everything under /api/v1
+    GET /repo/metadata/{file}    TUF metadata, public (:mod:`controlplane.repository.http`)
+    GET /repo/targets/{path}     TUF targets (signed bundles), public, Range requests
 
 Telemetry read routes (viewer), next to the REST table of :mod:`controlplane.api`::
 
@@ -17,7 +19,12 @@ production; tests pass a fake implementing :class:`BrokerProvisioner`), the cloc
 source. The app owns one :class:`~controlplane.db.Database` (one AsyncEngine), migrates it to
 the newest revision on startup (``settings.migrate_on_start``) and disposes of it on cleanup.
 Given an :class:`~controlplane.ingest.IngestConnection`, it also runs telemetry ingestion
-(:mod:`controlplane.ingest`) from startup to cleanup.
+(:mod:`controlplane.ingest`) from startup to cleanup, and serves ``{data_dir}/repository`` to
+devices over MQTT (:mod:`controlplane.repository.mqtt_service`) in a second session, under the
+service account ``{ingest client id}-repo`` it provisions at startup (an account's client id is
+bound to it, so each session needs its own). Deployments (:mod:`controlplane.deployments`)
+sign and store desired states always, and publish them through a third session,
+``{ingest client id}-desired``, when a broker is configured.
 """
 
 from __future__ import annotations
@@ -40,7 +47,6 @@ from controlplane.api import all_endpoints
 from controlplane.api.common import (
     SERVICES,
     ApiError,
-    EmptyTrust,
     Endpoint,
     Services,
     TrustSource,
@@ -50,15 +56,26 @@ from controlplane.api.common import (
     read_query,
     services,
 )
+from controlplane.api.deployments import attach_deployments
 from controlplane.api.schemas import Health, Request, Response
 from controlplane.auth import PasswordHasher, Role, auth_middleware
 from controlplane.broker.base import BrokerAdminError, BrokerProvisioner, Credentials
 from controlplane.db import Database, DatabaseError, current_revision, head_revision, upgrade_head
 from controlplane.db import devices as device_q
 from controlplane.db import telemetry as telemetry_q
+from controlplane.deployments import DeploymentService
 from controlplane.ingest import IngestConnection, IngestService
 from controlplane.metrics import CONTENT_TYPE, ControlPlaneMetrics
 from controlplane.openapi import build_openapi
+from controlplane.repository.http import ENDPOINTS as REPO_ENDPOINTS
+from controlplane.repository.http import attach_repository
+from controlplane.repository.mqtt_service import (
+    RepoConnection,
+    RepoMqttService,
+    repo_account_name,
+)
+from controlplane.repository.service import RepositoryService
+from controlplane.repository.tuf_repo import KeyStore
 from controlplane.settings import Settings
 from shared.protocol.command import ErrorCode
 
@@ -67,6 +84,7 @@ log = logging.getLogger("mcp.controlplane")
 Clock = Callable[[], datetime]
 OPENAPI = web.AppKey("openapi", bytes)
 INGEST = web.AppKey("ingest", IngestService)
+REPO_MQTT = web.AppKey("repo_mqtt", RepoMqttService)
 
 
 def system_clock() -> datetime:
@@ -263,16 +281,17 @@ def create_app(
         client_max_size=settings.max_body_bytes,
         middlewares=[error_middleware(metrics), auth_middleware(db, clock, route_roles)],
     )
+    repository = RepositoryService(settings, db, clock)
     app[SERVICES] = Services(
         settings=settings, db=db, provisioner=provisioner, clock=clock,
-        hasher=PasswordHasher(settings.password_cost), trust=trust or EmptyTrust(),
+        hasher=PasswordHasher(settings.password_cost), trust=trust or repository,
         metrics=metrics,
     )
     endpoints = [*all_endpoints(), *_telemetry_endpoints(), *_infrastructure()]
     for ep in endpoints:
         route = app.router.add_route(ep.method, ep.path, ep.handler)
         route_roles[route] = ep.role
-    app[OPENAPI] = orjson.dumps(build_openapi(endpoints, version=__version__))
+    app[OPENAPI] = orjson.dumps(build_openapi([*endpoints, *REPO_ENDPOINTS], version=__version__))
 
     async def migrate(app: web.Application) -> None:
         if settings.migrate_on_start:
@@ -283,6 +302,7 @@ def create_app(
         await db.dispose()
 
     app.on_startup.append(migrate)
+    attach_repository(app, repository)  # after migrate: it reads publisher keys
     if ingest is not None:
         service = app[INGEST] = IngestService(
             db, metrics, clock, retention=timedelta(days=settings.telemetry_retention_days)
@@ -296,8 +316,23 @@ def create_app(
 
         app.on_startup.append(start_ingest)
         app.on_cleanup.append(stop_ingest)
+        repo = app[REPO_MQTT] = RepoMqttService(settings.data_dir / "repository", metrics)
+        broker = ingest
+
+        async def start_repo(app: web.Application) -> None:
+            name = repo_account_name(broker.credentials.client_id)
+            credentials = await provisioner.provision_service(name)
+            await repo.start(RepoConnection(broker.address, credentials))
+
+        async def stop_repo(app: web.Application) -> None:
+            await repo.stop()
+
+        app.on_startup.append(start_repo)
+        app.on_cleanup.append(stop_repo)
     else:
         log.info("no broker configured: telemetry ingestion is off")
+    deployments = DeploymentService(db, KeyStore(settings.data_dir / "keys"), None, clock, settings)
+    attach_deployments(app, deployments, broker=ingest, provisioner=provisioner)
     app.on_cleanup.append(dispose)
     return app
 

@@ -10,6 +10,8 @@ gives enrolled devices real per-device credentials, provisions its own service a
 ``svc-cp-{host}`` and ingests device telemetry with it; without one, enrollment can accept
 devices but not give them MQTT credentials, and there is no ingestion.
     mcp-controlplane login | users | tokens | devices | audit ...   (REST client, see cli_fleet)
+    mcp-controlplane keys ... (local) | publishers | models ...    (see cli_repo)
+    mcp-controlplane deploy | undeploy | deployments | desired ... (see cli_deploy)
 
 Flags, environment (``MCP_DATA_DIR``, ``MCP_DATABASE_URL``, ``MCP_LISTEN``,
 ``MCP_BROKER_URLS``) and ``<data dir>/controlplane.toml`` become one
@@ -31,7 +33,9 @@ from typing import Any
 import click
 
 from controlplane import __version__
+from controlplane.cli_deploy import COMMANDS as DEPLOY_COMMANDS
 from controlplane.cli_fleet import COMMANDS
+from controlplane.cli_repo import COMMANDS as REPO_COMMANDS
 from controlplane.settings import (
     EnrollmentApproval,
     Settings,
@@ -146,11 +150,27 @@ def init(
         raise click.ClickException(str(e)) from e
     click.echo(f"data dir {settings.data_dir} ready; database at revision {result.revision}",
                err=True)
+    _init_repository(settings)
     if result.api_token is None:
         click.echo("users exist already; no admin created (use `mcp-controlplane login`)", err=True)
         return
     click.echo(f"admin user {result.admin!r} created; its API token (shown once):", err=True)
     click.echo(result.api_token)
+
+
+def _init_repository(settings: Settings) -> None:
+    """Create the TUF repository and its keys in the data dir when they are missing."""
+    from controlplane.repository.service import repository_for, repository_lock
+
+    repo = repository_for(settings)
+    try:
+        with repository_lock(repo):
+            created = not repo.initialized
+            repo.init()
+    except (McpError, OSError) as e:
+        raise click.ClickException(f"cannot create the repository in {repo.dir}: {e}") from e
+    state = "created" if created else "present"
+    click.echo(f"TUF repository {state} in {repo.dir} (keys in {repo.keys.dir})", err=True)
 
 
 @main.command()
@@ -220,7 +240,7 @@ async def _serve(settings: Settings, ready: Any) -> None:
         )
 
 
-for _command in COMMANDS:
+for _command in (*COMMANDS, *REPO_COMMANDS, *DEPLOY_COMMANDS):
     main.add_command(_command)
 
 

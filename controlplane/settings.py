@@ -16,6 +16,11 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     broker_admin_user = "admin"                 # a dynamic-security admin account
     broker_admin_password_file = "/etc/mcp/broker-admin.pw"   # read at serve time
     telemetry_retention_days = 7
+    timestamp_refresh_s = 3600                  # how often serve re-checks TUF timestamp expiry
+    max_bundle_bytes = 2147483648               # cap on one uploaded .mcpb (POST /api/v1/bundles)
+    desired_ttl_s = 604800                      # lifetime of a signed desired state (re-signed at half)
+
+Environment: also ``MCP_TIMESTAMP_REFRESH_S`` and ``MCP_MAX_BUNDLE_BYTES``.
 """
 
 from __future__ import annotations
@@ -73,7 +78,10 @@ class Settings:
     """Everything the control plane needs to know at start.
 
     ``max_body_bytes`` caps every REST request body; ``poll_after_s`` is what a pending device
-    is told to wait before asking again (seconds).
+    is told to wait before asking again (seconds). ``timestamp_refresh_s`` is how often serve
+    re-signs TUF timestamp metadata that nears expiry (seconds); ``max_bundle_bytes`` caps one
+    uploaded bundle (bytes), separately from ``max_body_bytes``. ``desired_ttl_s`` is how long
+    a signed desired state stays valid (seconds); it is re-signed at half that.
     """
 
     data_dir: Path
@@ -90,6 +98,9 @@ class Settings:
     broker_admin_user: str | None = None
     broker_admin_password_file: Path | None = None
     telemetry_retention_days: int = 7
+    timestamp_refresh_s: float = 3600.0
+    max_bundle_bytes: int = 2 << 30
+    desired_ttl_s: float = 7 * 86400.0
 
     @property
     def broker_configured(self) -> bool:
@@ -160,6 +171,13 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise SettingsError(f"{path}: {e}") from e
 
 
+def _number(key: str, value: Any, kind: type[int] | type[float]) -> float:
+    try:
+        return kind(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"{key} must be a number, got {value!r}") from None
+
+
 def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settings:
     changes: dict[str, Any] = {}
     try:
@@ -190,6 +208,21 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             if days < 1:
                 raise ValueError("telemetry_retention_days must be at least 1")
             changes["telemetry_retention_days"] = days
+        if values.get("timestamp_refresh_s") is not None:
+            interval = _number("timestamp_refresh_s", values["timestamp_refresh_s"], float)
+            if not 1.0 <= interval <= 86400.0:
+                raise ValueError("timestamp_refresh_s must be between 1 and 86400 seconds")
+            changes["timestamp_refresh_s"] = interval
+        if values.get("max_bundle_bytes") is not None:
+            cap = int(_number("max_bundle_bytes", values["max_bundle_bytes"], int))
+            if cap < 1024:
+                raise ValueError("max_bundle_bytes must be at least 1024")
+            changes["max_bundle_bytes"] = cap
+        if values.get("desired_ttl_s") is not None:
+            ttl = float(values["desired_ttl_s"])
+            if not 600.0 <= ttl <= 365 * 86400.0:
+                raise ValueError("desired_ttl_s must be between 600 seconds and 365 days")
+            changes["desired_ttl_s"] = ttl
     except (ValueError, TypeError) as e:
         raise SettingsError(f"{origin}: {e}") from e
     return replace(settings, **changes)
@@ -213,6 +246,8 @@ def load_settings(
         "database_url": env.get("MCP_DATABASE_URL"),
         "listen": env.get("MCP_LISTEN"),
         "broker_urls": env.get("MCP_BROKER_URLS"),
+        "timestamp_refresh_s": env.get("MCP_TIMESTAMP_REFRESH_S") or None,
+        "max_bundle_bytes": env.get("MCP_MAX_BUNDLE_BYTES") or None,
     }
     settings = _apply(settings, from_env, "environment")
     return _apply(settings, overrides or {}, "command line")
@@ -249,6 +284,8 @@ def write_config_file(settings: Settings) -> Path:
     if settings.broker_admin_password_file is not None:
         values["broker_admin_password_file"] = str(settings.broker_admin_password_file)
     values["telemetry_retention_days"] = settings.telemetry_retention_days
+    values["timestamp_refresh_s"] = settings.timestamp_refresh_s
+    values["max_bundle_bytes"] = settings.max_bundle_bytes
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
         f"{k} = {_toml_value(v)}\n" for k, v in values.items()
     )

@@ -1,4 +1,4 @@
-"""``mcp-bundle``: build, sign, verify and inspect signed model bundles (.mcpb).
+"""``mcp-bundle``: build, sign, verify, inspect and push signed model bundles (.mcpb).
 
 Errors print one line, ``error: <reason>``, to stderr and exit with status 1; usage
 mistakes exit with status 2 (click's convention). See docs/bundle-format.md.
@@ -6,13 +6,16 @@ mistakes exit with status 2 (click's convention). See docs/bundle-format.md.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 
@@ -79,7 +82,7 @@ def _human_size(n: int) -> str:
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mcp-bundle")
 def cli() -> None:
-    """Build, sign, verify and inspect MCP Edge model bundles (.mcpb).
+    """Build, sign, verify, inspect and push MCP Edge model bundles (.mcpb).
 
     \b
     A typical release:
@@ -88,6 +91,7 @@ def cli() -> None:
       mcp-bundle sign digits-1.3.0.mcpb --key publisher.key
       mcp-bundle verify digits-1.3.0.mcpb --trusted-key publisher.pub
       mcp-bundle inspect digits-1.3.0.mcpb
+      mcp-bundle push digits-1.3.0.mcpb --server https://cp.example:8080 --token $MCP_TOKEN
     """
 
 
@@ -429,6 +433,111 @@ def inspect(bundle: Path, as_json: bool) -> None:
     with _about(bundle):
         info = inspect_bundle(bundle)
     click.echo(json.dumps(info, indent=2, sort_keys=True) if as_json else _render(info))
+
+
+DEFAULT_SERVER = "http://127.0.0.1:8080"
+UPLOAD_CHUNK_BYTES = 1 << 20
+
+
+def _upload(
+    server: str, token: str, bundle: Path, *, timeout: float, progress: bool
+) -> tuple[int, Any]:
+    """POST ``bundle`` to ``{server}/api/v1/bundles`` in chunks; return (status, JSON answer).
+
+    Raises :class:`CliError` when the server cannot be reached or does not answer JSON.
+    """
+    parts = urlsplit(server)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise CliError(f"--server {server!r} must be an http:// or https:// URL")
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
+    size = bundle.stat().st_size
+    bar: Any = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=size, desc="push", unit="B", unit_scale=True, unit_divisor=1024,
+                   file=sys.stderr)
+    try:
+        try:
+            conn.putrequest("POST", parts.path.rstrip("/") + "/api/v1/bundles")
+            conn.putheader("Content-Type", "application/octet-stream")
+            conn.putheader("Content-Length", str(size))
+            conn.putheader("Authorization", f"Bearer {token}")
+            conn.putheader("Accept", "application/json")
+            conn.endheaders()
+            with open(bundle, "rb") as f:
+                while chunk := f.read(UPLOAD_CHUNK_BYTES):
+                    conn.send(chunk)
+                    if bar is not None:
+                        bar.update(len(chunk))
+        except OSError as e:  # the server may answer (413, 401) before taking all the bytes
+            sent_error: OSError | None = e
+        else:
+            sent_error = None
+        try:
+            response = conn.getresponse()
+            raw = response.read()
+        except (OSError, http.client.HTTPException) as e:
+            cause = sent_error or e
+            raise CliError(f"cannot push to {server}: {cause or type(cause).__name__}") from e
+    finally:
+        if bar is not None:
+            bar.close()
+        conn.close()
+    try:
+        return response.status, json.loads(raw) if raw else None
+    except ValueError:
+        raise CliError(
+            f"HTTP {response.status} from {server}, and the answer is not JSON "
+            "(is it a control plane?)"
+        ) from None
+
+
+@cli.command()
+@click.argument("bundle", type=_EXISTING)
+@click.option("--server", envvar="MCP_SERVER", show_envvar=True, default=DEFAULT_SERVER,
+              show_default=True, help="Control plane base URL.")
+@click.option("--token", envvar="MCP_TOKEN", show_envvar=True,
+              help="API token of an operator (from `mcp-controlplane init` or `login`).")
+@click.option("--timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
+              help="Seconds to wait on the network and for the server's checks.")
+@click.option("--progress/--no-progress", default=None,
+              help="Show an upload progress bar [default: when stderr is a terminal].")
+def push(
+    bundle: Path, server: str, token: str | None, timeout: float, progress: bool | None
+) -> None:
+    """Upload a signed BUNDLE to the control plane, which checks its publisher signature and
+    publishes it as a TUF target of its repository.
+
+    Pushing the same bytes again changes nothing; another bundle with a published name and
+    version is refused (publish a new version).
+
+    \b
+    Example:
+      mcp-bundle push digits-1.3.0.mcpb --server https://cp.example:8080 --token $MCP_TOKEN
+    """
+    if not token:
+        raise click.UsageError("no API token: pass --token or set MCP_TOKEN")
+    with _about(bundle):
+        info = inspect_bundle(bundle)
+    if info["signature"] is None:
+        raise CliError(f"{bundle}: not signed; sign it first with `mcp-bundle sign --key ...`")
+    show = sys.stderr.isatty() if progress is None else progress
+    status, answer = _upload(server, token, bundle, timeout=timeout, progress=show)
+    if status >= 400:
+        message = answer.get("error") if isinstance(answer, dict) else None
+        raise CliError(f"{bundle}: {message or 'push failed'} (HTTP {status})")
+    assert isinstance(answer, dict)
+    if status == 200:
+        click.echo(f"{answer['model']} {answer['version']} was already published with these "
+                   "bytes; nothing changed")
+        return
+    click.echo(
+        f"published {answer['model']} {answer['version']} ({_human_size(answer['length'])}, "
+        f"sha256 {answer['sha256'][:16]}, signed by {answer['signer'][:16]}) as "
+        f"{answer['target_path']}"
+    )
 
 
 def main() -> None:

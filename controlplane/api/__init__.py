@@ -6,7 +6,16 @@ OpenAPI document (:mod:`controlplane.openapi`) are built from, so the two cannot
 
 from __future__ import annotations
 
-from controlplane.api import approvals, audit, devices, enroll, tokens, users
+from controlplane.api import (
+    approvals,
+    audit,
+    deployments,
+    devices,
+    enroll,
+    models,
+    tokens,
+    users,
+)
 from controlplane.api.common import Endpoint
 
 
@@ -19,4 +28,6 @@ def all_endpoints() -> list[Endpoint]:
         *tokens.ENDPOINTS,
         *users.ENDPOINTS,
         *audit.ENDPOINTS,
+        *models.ENDPOINTS,
+        *deployments.ENDPOINTS,
     ]

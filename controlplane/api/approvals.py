@@ -15,6 +15,7 @@ from aiohttp import web
 
 from controlplane import audit
 from controlplane.api.common import ApiError, Endpoint, json_response, read_body, services
+from controlplane.api.deployments import apply_standing_deployments
 from controlplane.api.devices import device_out
 from controlplane.api.schemas import (
     ApprovalList,
@@ -66,6 +67,8 @@ async def _decide(request: web.Request, approve: bool) -> web.Response:
             action=AuditAction.DEVICE_APPROVED if approve else AuditAction.DEVICE_REJECTED,
             target_type="device", target_id=device_id, detail={"reason": body.reason},
         )
+    if approve:
+        await apply_standing_deployments(request, device_id)
     return json_response(DeviceDetail.model_validate(view))
 
 

@@ -29,6 +29,7 @@ from controlplane.api.common import (
     read_query,
     services,
 )
+from controlplane.api.deployments import apply_standing_deployments
 from controlplane.api.schemas import SignedEnrollment
 from controlplane.api.tokens import token_facts
 from controlplane.audit import AuditAction, device_actor
@@ -171,6 +172,8 @@ async def enroll(request: web.Request) -> web.Response:
     except (ApiError, AuthError):
         metrics.labels("invalid").inc()
         raise
+    if answer.status is EnrollmentStatus.ACCEPTED:
+        await apply_standing_deployments(request, answer.device_id)
     body = encode(answer)
     return web.Response(body=body, status=200, content_type="application/json")
 

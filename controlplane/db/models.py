@@ -331,3 +331,69 @@ class ModelVersion(Base):
     publisher_keyid: Mapped[str] = mapped_column(String(64))
     uploaded_by: Mapped[str] = mapped_column(String(128), default="")
     created_at: Mapped[datetime]
+
+
+# ---------------------------------------------------------------------------- deployments (0004)
+# What operators asked for (deployments), what each device should run now (device_models), and
+# the signed desired-state document each device was last given (desired_states).
+
+
+class DeploymentRow(Base):
+    """One operator action: deploy (``version`` set) or undeploy a model to a selector.
+
+    Exactly one of ``device_id``, ``group_name``, ``labels`` names the selector. Group and label
+    deployments stand: a device accepted later into the group (or with the labels) gets the
+    newest one of each model.
+    """
+
+    __tablename__ = "deployments"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    action: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(64), index=True)
+    version: Mapped[str | None] = mapped_column(String(128))
+    device_id: Mapped[str | None] = mapped_column(String(64))
+    group_name: Mapped[str | None] = mapped_column(String(64), index=True)
+    labels: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    canary_version: Mapped[str | None] = mapped_column(String(128))
+    canary_weight: Mapped[float | None] = mapped_column(Float)
+    shadow_version: Mapped[str | None] = mapped_column(String(128))
+    rollback: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime]
+    devices_matched: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class DeviceModelRow(Base):
+    """What one device should run of one model now (the source of its desired state)."""
+
+    __tablename__ = "device_models"
+
+    device_id: Mapped[str] = mapped_column(String(64), _device_fk(), primary_key=True)
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    stable_version: Mapped[str] = mapped_column(String(128))
+    canary_version: Mapped[str | None] = mapped_column(String(128))
+    canary_weight: Mapped[float | None] = mapped_column(Float)
+    shadow_version: Mapped[str | None] = mapped_column(String(128))
+    rollback: Mapped[bool] = mapped_column(Boolean, default=False)
+    deployment_id: Mapped[int | None] = mapped_column(
+        BigId, ForeignKey("deployments.id", ondelete="SET NULL")
+    )
+    updated_at: Mapped[datetime]
+
+
+class DesiredStateRow(Base):
+    """The last signed desired state of a device. ``published_at`` None: not yet on the broker.
+
+    ``refresh_at`` (half the document's lifetime) is when it is re-signed with the next seq.
+    """
+
+    __tablename__ = "desired_states"
+
+    device_id: Mapped[str] = mapped_column(String(64), _device_fk(), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    envelope: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    issued_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+    refresh_at: Mapped[datetime] = mapped_column(index=True)
+    published_at: Mapped[datetime | None]

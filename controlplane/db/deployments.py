@@ -1,0 +1,369 @@
+"""Queries on deployments, per-device desired models and signed desired states.
+
+Every function runs inside a caller's transaction. Rows leave as frozen views, so callers never
+hold an ORM object whose attributes could trigger lazy I/O. Model versions are read from the
+registry's ``model_versions`` table (filled by publishing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, delete, or_, select, tuple_, update
+
+from controlplane.db.engine import Tx
+from controlplane.db.models import (
+    DeploymentRow,
+    DesiredStateRow,
+    Device,
+    DeviceModelRow,
+    Model,
+    ModelVersion,
+    ReportedStateRow,
+)
+
+
+@dataclass(frozen=True)
+class VersionView:
+    """A published model version: what a desired state needs to name it as a TUF target."""
+
+    model: str
+    version: str
+    version_numeric: int
+    target_path: str
+    sha256: str
+    length: int
+    profiles: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DeploymentView:
+    """One deploy or undeploy action as the API shows it."""
+
+    id: int
+    action: str
+    model: str
+    version: str | None
+    device_id: str | None
+    group_name: str | None
+    labels: dict[str, str] | None
+    canary_version: str | None
+    canary_weight: float | None
+    shadow_version: str | None
+    rollback: bool
+    created_by: str
+    created_at: datetime
+    devices_matched: int
+
+
+@dataclass(frozen=True)
+class DeviceModelView:
+    """What one device should run of one model."""
+
+    device_id: str
+    model: str
+    stable_version: str
+    canary_version: str | None = None
+    canary_weight: float | None = None
+    shadow_version: str | None = None
+    rollback: bool = False
+    deployment_id: int | None = None
+    updated_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class DesiredView:
+    """A device's last signed desired state; ``published_at`` None until the broker took it."""
+
+    device_id: str
+    seq: int
+    envelope: dict[str, Any]
+    issued_at: datetime
+    expires_at: datetime
+    refresh_at: datetime
+    published_at: datetime | None
+
+
+@dataclass(frozen=True)
+class ReportedView:
+    """What the device last reported: the seq it applied and its per-model status dicts."""
+
+    applied_seq: int
+    received_at: datetime
+    models: list[dict[str, Any]]
+
+
+def _version_view(row: ModelVersion) -> VersionView:
+    return VersionView(
+        model=row.model, version=row.version, version_numeric=int(row.version_numeric),
+        target_path=row.target_path, sha256=row.sha256, length=int(row.length),
+        profiles=tuple(row.profiles or ()),
+    )
+
+
+def _deployment_view(row: DeploymentRow) -> DeploymentView:
+    return DeploymentView(
+        id=row.id, action=row.action, model=row.model, version=row.version,
+        device_id=row.device_id, group_name=row.group_name,
+        labels=dict(row.labels) if row.labels is not None else None,
+        canary_version=row.canary_version, canary_weight=row.canary_weight,
+        shadow_version=row.shadow_version, rollback=row.rollback, created_by=row.created_by,
+        created_at=row.created_at, devices_matched=row.devices_matched,
+    )
+
+
+def _device_model_view(row: DeviceModelRow) -> DeviceModelView:
+    return DeviceModelView(
+        device_id=row.device_id, model=row.model, stable_version=row.stable_version,
+        canary_version=row.canary_version, canary_weight=row.canary_weight,
+        shadow_version=row.shadow_version, rollback=row.rollback,
+        deployment_id=row.deployment_id, updated_at=row.updated_at,
+    )
+
+
+def _desired_view(row: DesiredStateRow) -> DesiredView:
+    return DesiredView(
+        device_id=row.device_id, seq=int(row.seq), envelope=dict(row.envelope),
+        issued_at=row.issued_at, expires_at=row.expires_at, refresh_at=row.refresh_at,
+        published_at=row.published_at,
+    )
+
+
+# ---------------------------------------------------------------------------- registry reads
+async def model_exists(tx: Tx, model: str) -> bool:
+    return (await tx.execute(select(Model.name).where(Model.name == model))).first() is not None
+
+
+async def get_versions(
+    tx: Tx, pairs: Collection[tuple[str, str]]
+) -> dict[tuple[str, str], VersionView]:
+    """The published versions among ``(model, version)`` pairs, keyed by the pair."""
+    if not pairs:
+        return {}
+    rows = await tx.execute(
+        select(ModelVersion).where(tuple_(ModelVersion.model, ModelVersion.version).in_(list(pairs)))
+    )
+    return {(r.model, r.version): _version_view(r) for r in rows.scalars()}
+
+
+async def get_version(tx: Tx, model: str, version: str) -> VersionView | None:
+    return (await get_versions(tx, [(model, version)])).get((model, version))
+
+
+async def insert_model_version(tx: Tx, version: VersionView, *, now: datetime,
+                               publisher_keyid: str = "", fmt: str = "onnx") -> None:
+    """Record a published version (creating its model). Publishing owns this table; this exists
+    for tools and tests that need a version without a bundle upload."""
+    if not await model_exists(tx, version.model):
+        tx.add(Model(name=version.model, created_at=now))
+        await tx.flush()
+    tx.add(ModelVersion(
+        model=version.model, version=version.version, version_numeric=version.version_numeric,
+        target_path=version.target_path, sha256=version.sha256, length=version.length,
+        format=fmt, profiles=list(version.profiles), variants=[],
+        publisher_keyid=publisher_keyid, uploaded_by="", created_at=now,
+    ))
+    await tx.flush()
+
+
+# ---------------------------------------------------------------------------- deployments
+async def insert_deployment(tx: Tx, **fields: Any) -> DeploymentView:
+    """Insert a deployment row (columns of :class:`DeploymentRow` as keywords)."""
+    row = DeploymentRow(**fields)
+    tx.add(row)
+    await tx.flush()
+    return _deployment_view(row)
+
+
+async def list_deployments(
+    tx: Tx, *, limit: int, before_id: int | None = None, model: str | None = None
+) -> list[DeploymentView]:
+    """Newest first; page with ``before_id`` (the smallest id of the previous page)."""
+    query = select(DeploymentRow)
+    if before_id is not None:
+        query = query.where(DeploymentRow.id < before_id)
+    if model is not None:
+        query = query.where(DeploymentRow.model == model)
+    rows = await tx.execute(query.order_by(DeploymentRow.id.desc()).limit(limit))
+    return [_deployment_view(r) for r in rows.scalars()]
+
+
+async def standing_deployments(
+    tx: Tx, *, device_id: str, group_name: str | None
+) -> list[DeploymentView]:
+    """Deployments that may apply to a newly accepted device, newest first: those naming the
+    device, its group, or any label selector (the caller matches labels)."""
+    conditions = [DeploymentRow.device_id == device_id, DeploymentRow.labels.is_not(None)]
+    if group_name is not None:
+        conditions.append(DeploymentRow.group_name == group_name)
+    rows = await tx.execute(
+        select(DeploymentRow).where(or_(*conditions)).order_by(DeploymentRow.id.desc())
+    )
+    return [_deployment_view(r) for r in rows.scalars()]
+
+
+# ---------------------------------------------------------------------------- device models
+async def device_models(
+    tx: Tx, device_ids: Iterable[str]
+) -> dict[str, list[DeviceModelView]]:
+    """Every desired model of each device (an empty list for a device without any)."""
+    ids = list(device_ids)
+    out: dict[str, list[DeviceModelView]] = {i: [] for i in ids}
+    if not ids:
+        return out
+    rows = await tx.execute(
+        select(DeviceModelRow).where(DeviceModelRow.device_id.in_(ids))
+        .order_by(DeviceModelRow.device_id, DeviceModelRow.model)
+    )
+    for row in rows.scalars():
+        out[row.device_id].append(_device_model_view(row))
+    return out
+
+
+async def put_device_model(tx: Tx, view: DeviceModelView, *, now: datetime) -> None:
+    """Create or replace what ``view.device_id`` should run of ``view.model``."""
+    row = await tx.get(DeviceModelRow, (view.device_id, view.model))
+    if row is None:
+        row = DeviceModelRow(device_id=view.device_id, model=view.model)
+        tx.add(row)
+    row.stable_version = view.stable_version
+    row.canary_version = view.canary_version
+    row.canary_weight = view.canary_weight
+    row.shadow_version = view.shadow_version
+    row.rollback = view.rollback
+    row.deployment_id = view.deployment_id
+    row.updated_at = now
+    await tx.flush()
+
+
+async def remove_device_models(tx: Tx, model: str, device_ids: Collection[str]) -> None:
+    if device_ids:
+        await tx.execute(
+            delete(DeviceModelRow).where(
+                DeviceModelRow.model == model, DeviceModelRow.device_id.in_(list(device_ids))
+            )
+        )
+
+
+async def devices_with_model(
+    tx: Tx, model: str, *, device_id: str | None = None, group_name: str | None = None
+) -> list[str]:
+    """Ids of devices that have ``model`` desired, narrowed to one device or one group."""
+    query = select(DeviceModelRow.device_id).where(DeviceModelRow.model == model)
+    if device_id is not None:
+        query = query.where(DeviceModelRow.device_id == device_id)
+    if group_name is not None:
+        query = query.join(Device, Device.id == DeviceModelRow.device_id).where(
+            Device.group_name == group_name
+        )
+    return list((await tx.execute(query.order_by(DeviceModelRow.device_id))).scalars())
+
+
+# ---------------------------------------------------------------------------- desired states
+async def desired_states(
+    tx: Tx, device_ids: Iterable[str], *, lock: bool = False
+) -> dict[str, DesiredView]:
+    """The stored documents of these devices (absent: never issued). ``lock`` takes row locks
+    on PostgreSQL until the transaction ends, so two writers cannot both take the next seq."""
+    ids = list(device_ids)
+    if not ids:
+        return {}
+    query = select(DesiredStateRow).where(DesiredStateRow.device_id.in_(ids))
+    if lock:  # in id order, so two writers lock the rows they share in the same order
+        query = query.order_by(DesiredStateRow.device_id)
+        query = query.with_for_update()
+    return {r.device_id: _desired_view(r) for r in (await tx.execute(query)).scalars()}
+
+
+async def save_desired_state(tx: Tx, view: DesiredView) -> None:
+    """Create or replace the device's document (a new document is unpublished)."""
+    row = await tx.get(DesiredStateRow, view.device_id)
+    if row is None:
+        row = DesiredStateRow(device_id=view.device_id)
+        tx.add(row)
+    row.seq = view.seq
+    row.envelope = view.envelope
+    row.issued_at = view.issued_at
+    row.expires_at = view.expires_at
+    row.refresh_at = view.refresh_at
+    row.published_at = view.published_at
+    await tx.flush()
+
+
+async def unpublished(
+    tx: Tx, *, limit: int, device_ids: Collection[str] | None = None
+) -> list[DesiredView]:
+    """Documents the broker has not taken yet, oldest issue first."""
+    query = select(DesiredStateRow).where(DesiredStateRow.published_at.is_(None))
+    if device_ids is not None:
+        query = query.where(DesiredStateRow.device_id.in_(list(device_ids)))
+    rows = await tx.execute(query.order_by(DesiredStateRow.issued_at).limit(limit))
+    return [_desired_view(r) for r in rows.scalars()]
+
+
+async def mark_published(tx: Tx, published: Mapping[str, int], now: datetime) -> list[str]:
+    """Set ``published_at`` of each device whose document still has the seq published.
+
+    Returns the devices whose document changed meanwhile; those are marked unpublished so the
+    newer document goes out after the older one.
+    """
+    changed: list[str] = []
+    for device_id, seq in published.items():
+        result = await tx.execute(
+            update(DesiredStateRow)
+            .where(DesiredStateRow.device_id == device_id, DesiredStateRow.seq == seq)
+            .values(published_at=now)
+        )
+        if getattr(result, "rowcount", 0) == 0:
+            changed.append(device_id)
+    if changed:
+        await tx.execute(
+            update(DesiredStateRow).where(DesiredStateRow.device_id.in_(changed))
+            .values(published_at=None)
+        )
+    return changed
+
+
+async def due_for_refresh(tx: Tx, now: datetime, *, limit: int) -> list[str]:
+    """Accepted devices whose document has reached its refresh time, most urgent first."""
+    rows = await tx.execute(
+        select(DesiredStateRow.device_id)
+        .join(Device, Device.id == DesiredStateRow.device_id)
+        .where(and_(DesiredStateRow.refresh_at <= now, Device.status == "accepted"))
+        .order_by(DesiredStateRow.refresh_at)
+        .limit(limit)
+    )
+    return list(rows.scalars())
+
+
+async def reported(tx: Tx, device_id: str) -> ReportedView | None:
+    """The device's last reported state, or None when it never reported."""
+    row = await tx.get(ReportedStateRow, device_id)
+    if row is None:
+        return None
+    models = row.document.get("models") if isinstance(row.document, dict) else None
+    return ReportedView(
+        applied_seq=int(row.applied_seq), received_at=row.received_at,
+        models=[m for m in models or [] if isinstance(m, dict)],
+    )
+
+
+async def reported_active_versions(tx: Tx, device_ids: Collection[str], model: str) -> dict[str, str]:
+    """``{device_id: active_version}`` of ``model`` as the devices last reported it."""
+    if not device_ids:
+        return {}
+    rows = await tx.execute(
+        select(ReportedStateRow.device_id, ReportedStateRow.document)
+        .where(ReportedStateRow.device_id.in_(list(device_ids)))
+    )
+    out: dict[str, str] = {}
+    for device_id, document in rows:
+        for m in (document or {}).get("models") or []:
+            if isinstance(m, dict) and m.get("name") == model and isinstance(
+                m.get("active_version"), str
+            ):
+                out[device_id] = m["active_version"]
+    return out
