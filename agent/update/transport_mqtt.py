@@ -6,10 +6,12 @@ correlation data; :meth:`MqttRepoTransport.handle_reply` (called by the fleet se
 event loop for every message on the reply topic) resolves the request's future.
 
 Threads: ngclient and the state machine run in a worker thread and call the synchronous
-methods (:meth:`download`, the fetcher's ``fetch``); each chunk request is a coroutine run on
-the agent's event loop with :func:`asyncio.run_coroutine_threadsafe`, while the worker thread
-keeps the window full, checks each reply and writes the bytes in order. Calling them from the
-event loop's own thread raises ``RuntimeError`` (it would deadlock).
+methods (:meth:`download`, the fetcher's ``fetch``). A download is one coroutine on the agent's
+event loop (:func:`asyncio.run_coroutine_threadsafe`) that keeps the window full, checks each
+reply and ``pwrite``s its bytes where they arrive, so a chunk costs no thread hand-over; the
+worker thread only waits for the result and fsyncs. Metadata reads (small) hand each chunk to
+the worker. Calling the blocking methods from the event loop's own thread raises
+``RuntimeError`` (it would deadlock).
 
 A chunk request waits ``chunk_timeout_s`` for its reply and is sent again after an
 exponential backoff (``backoff_initial_s`` doubling up to ``backoff_max_s``) up to
@@ -38,9 +40,10 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import orjson
 from tuf.api.exceptions import (
@@ -68,6 +71,7 @@ BASE_URL = "mqtt-repo://control-plane/"
 """The pseudo-URL the transport gives ngclient; what follows it is the repository path."""
 
 _Reply = tuple[RepoReply, bytes]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -166,31 +170,54 @@ class MqttRepoTransport:
                             dest, length)
                 os.ftruncate(fd, 0)
                 start = 0
-            try:
-                return self._download(fd, path, start, length, deadline, progress)
-            finally:
-                os.fsync(fd)
-        finally:
+            future = self._run_on_loop(
+                self._download(fd, path, start, length, deadline, progress))
+        except BaseException:
             os.close(fd)
+            raise
+        ended = True  # False only while the coroutine may still be writing
+        try:
+            # The coroutine enforces the deadline itself; the margin only guards against an
+            # event loop that stopped running (the agent shutting down).
+            written = future.result(timeout=max(0.0, deadline - time.monotonic()) + 30.0)
+        except concurrent.futures.TimeoutError:
+            ended = False
+            future.cancel()
+            log.warning("download of %s abandoned: the event loop does not answer", path)
+            raise SlowRetrievalError(f"{path}: total timeout reached") from None
+        finally:
+            if ended:
+                os.fsync(fd)
+                os.close(fd)
+        return written
 
-    # ---- the worker thread -----------------------------------------------------------------
+    # ---- downloads run on the event loop ---------------------------------------------------
 
-    def _download(self, fd: int, path: str, start: int, length: int, deadline: float,
-                  progress: Progress | None) -> int:
+    async def _download(self, fd: int, path: str, start: int, length: int, deadline: float,
+                        progress: Progress | None) -> int:
+        """Keep ``window`` chunk requests in flight and write each reply at its offset.
+
+        Runs on the event loop, so a chunk costs no thread hand-over: the reply's bytes are
+        checked and written (``pwrite`` into the page cache) where they arrive.
+        """
+        loop = asyncio.get_running_loop()
         chunk = self.config.chunk_bytes
-        window: deque[tuple[int, int, concurrent.futures.Future[_Reply]]] = deque()
+        window: deque[tuple[int, int, asyncio.Task[_Reply]]] = deque()
         next_offset, end, written = start, length, 0
-        size: int | None = None
+
+        def ask(offset: int, n: int) -> None:
+            window.append((offset, n, loop.create_task(self.request(path, offset, n))))
+
         try:
             if next_offset >= end:  # nothing left to fetch: still learn the size
-                window.append((start, 1, self._submit(path, start, 1)))
+                ask(start, 1)
             while window or next_offset < end:
                 while len(window) < self.config.window and next_offset < end:
                     n = min(chunk, end - next_offset)
-                    window.append((next_offset, n, self._submit(path, next_offset, n)))
+                    ask(next_offset, n)
                     next_offset += n
-                offset, n, future = window.popleft()
-                reply, data = self._result(future, deadline, path)
+                offset, n, task = window.popleft()
+                reply, data = await self._reply_of(task, deadline, path)
                 size = self._check_ok(reply, data, path, offset, n, length)
                 if size < start:
                     os.ftruncate(fd, 0)
@@ -204,9 +231,20 @@ class MqttRepoTransport:
                 if progress is not None:
                     progress(offset + len(data), size)
         finally:
-            for _, _, future in window:
-                future.cancel()
+            for _, _, task in window:
+                task.cancel()
         return written
+
+    @staticmethod
+    async def _reply_of(task: asyncio.Task[_Reply], deadline: float, path: str) -> _Reply:
+        try:
+            return await asyncio.wait_for(task, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise SlowRetrievalError(f"{path}: total timeout reached") from None
+        except _Lost as e:
+            if e.timed_out:
+                raise SlowRetrievalError(f"{path}: {e}") from None
+            raise DownloadError(f"{path}: {e}") from None
 
     def _check_ok(self, reply: RepoReply, data: bytes, path: str, offset: int, asked: int,
                   length: int) -> int:
@@ -233,16 +271,22 @@ class MqttRepoTransport:
         return size
 
     def _submit(self, path: str, offset: int, n: int) -> concurrent.futures.Future[_Reply]:
+        return self._run_on_loop(self.request(path, offset, n))
+
+    def _run_on_loop(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the transport's loop from a worker thread."""
         loop = self._loop
         if loop is None or loop.is_closed():
+            coro.close()
             raise DownloadError("the MQTT transport is not bound to a running event loop")
         try:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
+            coro.close()
             raise RuntimeError("MqttRepoTransport's blocking calls must not run on its loop")
-        return asyncio.run_coroutine_threadsafe(self.request(path, offset, n), loop)
+        return asyncio.run_coroutine_threadsafe(coro, loop)
 
     @staticmethod
     def _result(future: concurrent.futures.Future[_Reply], deadline: float,

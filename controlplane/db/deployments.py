@@ -153,22 +153,6 @@ async def get_version(tx: Tx, model: str, version: str) -> VersionView | None:
     return (await get_versions(tx, [(model, version)])).get((model, version))
 
 
-async def insert_model_version(tx: Tx, version: VersionView, *, now: datetime,
-                               publisher_keyid: str = "", fmt: str = "onnx") -> None:
-    """Record a published version (creating its model). Publishing owns this table; this exists
-    for tools and tests that need a version without a bundle upload."""
-    if not await model_exists(tx, version.model):
-        tx.add(Model(name=version.model, created_at=now))
-        await tx.flush()
-    tx.add(ModelVersion(
-        model=version.model, version=version.version, version_numeric=version.version_numeric,
-        target_path=version.target_path, sha256=version.sha256, length=version.length,
-        format=fmt, profiles=list(version.profiles), variants=[],
-        publisher_keyid=publisher_keyid, uploaded_by="", created_at=now,
-    ))
-    await tx.flush()
-
-
 # ---------------------------------------------------------------------------- deployments
 async def insert_deployment(tx: Tx, **fields: Any) -> DeploymentView:
     """Insert a deployment row (columns of :class:`DeploymentRow` as keywords)."""

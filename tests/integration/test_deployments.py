@@ -33,8 +33,7 @@ from controlplane.app import create_app
 from controlplane.bootstrap import initialize
 from controlplane.broker.dynsec import DynsecProvisioner
 from controlplane.cli import main
-from controlplane.db import Database
-from controlplane.db import deployments as q
+from controlplane.db import Database, registry
 from controlplane.db.deployments import DeviceModelView, VersionView
 from controlplane.deployments import DeploymentService
 from controlplane.desired import build_desired_state, downgrades
@@ -92,7 +91,13 @@ async def publish_versions(db: Database, now: Any, model: str, *versions: str,
     """Record published versions the way the registry does (one row per version)."""
     async with db.transaction() as tx:
         for version in versions:
-            await q.insert_model_version(tx, version_row(model, version, profiles), now=now)
+            v = version_row(model, version, profiles)
+            await registry.insert_version(
+                tx, model=v.model, version=v.version, version_numeric=v.version_numeric,
+                target_path=v.target_path, sha256=v.sha256, length=v.length, format="onnx",
+                profiles=list(v.profiles), variants=[], publisher_keyid="", uploaded_by="",
+                now=now,
+            )
 
 
 async def until(check: Callable[[], Awaitable[Any]], what: str) -> Any:
