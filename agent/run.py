@@ -114,7 +114,11 @@ def fleet_attachment(
 
         async def on_desired(envelope: Any) -> None:
             await ready.wait()  # desired states wait until installed models are back
-            await updates[0].handle_desired(envelope)
+            try:
+                await updates[0].handle_desired(envelope)
+            finally:
+                # Serve the fleet topics of what is live now, not at the next health sample.
+                await session.sync_models()
 
         async with FleetSession(
             config, spool=spool, manager=manager, health=health,

@@ -1,0 +1,66 @@
+"""The README's main command, `bash deploy/demo.sh --smoke`, as a user runs it.
+
+One run does the whole loop with real processes (Mosquitto with dynamic security, the control
+plane on SQLite, two enrolled agents): both devices serve digits 1.0.0 over HTTP and MQTT, cam-1
+moves to 1.1.0 under load without a failed request, and everything stops at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.mosquitto]
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of running processes that contain `text`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # the process ended while we looked
+            continue
+        if text in args:
+            found.append(args)
+    return found
+
+
+def test_demo_smoke_runs_the_fleet_loop_and_stops_everything(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    env = {**os.environ, "MCP_VENV": sys.prefix}
+    demo = subprocess.Popen(
+        ["bash", "deploy/demo.sh", "--smoke", "--work-dir", str(work)], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        out, _ = demo.communicate(timeout=270)
+    except subprocess.TimeoutExpired:
+        demo.terminate()  # the demo stops its broker, control plane and agents on SIGTERM
+        out, _ = demo.communicate(timeout=25)
+        pytest.fail(f"the demo ran past 270 s:\n{out[-8000:]}")
+    assert demo.returncode == 0, out[-8000:]
+
+    for device in ("cam-1", "cam-2"):
+        assert re.search(rf"{device} over HTTP: digits 1\.0\.0 answered \[[\d, ]+\]", out), out
+    assert re.search(r"the fleet over MQTT: digits 1\.0\.0 answered", out), out
+    swap = re.search(r"cam-1: \d+ requests answered \((\d+) by 1\.0\.0, (\d+) by 1\.1\.0\), "
+                     r"0 failed", out)
+    assert swap and int(swap[1]) > 0 and int(swap[2]) > 0, out
+    assert re.search(r"cam-2: \d+ requests answered \(\d+ by 1\.0\.0\), 0 failed", out), out
+    assert "cam-1 moved to digits 1.1.0 with 0 failed requests" in out
+    assert re.search(r"\d+\s+1\.1\.0\s+active\s+ok", out), out  # the flight recorder
+    assert "demo: every step worked" in out
+    assert "agents, control plane and broker stopped" in out
+
+    # Each process logged to its own file, and none of them is left running.
+    logs = {p.name for p in (work / "logs").iterdir()}
+    assert {"mosquitto.log", "controlplane.log", "cam-1.log", "cam-2.log"} <= logs
+    assert _processes_mentioning(str(work)) == []
