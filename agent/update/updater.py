@@ -45,7 +45,7 @@ from agent.update.steps import (
 from agent.update.store import DiskUsageFn, ModelStore
 from agent.update.transport import RepoTransport
 from agent.update.tuf_client import TufClient, load_bootstrap_root
-from shared.errors import McpError
+from shared.errors import ExpiredError, McpError, ReplayError, SigningError
 from shared.fsutil import atomic_write_bytes
 from shared.profiles import HardwareProfile
 from shared.protocol.state import (
@@ -58,6 +58,7 @@ from shared.protocol.state import (
     TargetRef,
     verify_desired_state,
 )
+from shared.protocol.topics import validate_id
 from shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent.update")
@@ -94,6 +95,18 @@ class FlightRecorder:
                 model=rec.model, version=rec.to_version, phase=phase, outcome=outcome,
                 message=message[:2048], cause=cause, bytes_done=bytes_done,
                 bytes_total=rec.length, elapsed_ms=elapsed_ms,
+            )  # fmt: skip
+            self.recent.append(event)
+            self._pending.append(event)
+        return event
+
+    def refused(self, model: str, version: str, cause: str, message: str) -> DeploymentEvent:
+        """Record that a desired state naming ``model`` ``version`` was refused (nothing ran)."""
+        with self._lock:
+            event = DeploymentEvent(
+                device_id=self.device_id, event_seq=self.store.next_event_seq(), ts=self.clock(),
+                model=model, version=version, phase=Phase.IDLE, outcome=EventOutcome.ERROR,
+                message=message[:2048], cause=cause,
             )  # fmt: skip
             self.recent.append(event)
             self._pending.append(event)
@@ -223,7 +236,15 @@ class UpdateAgent:
                     last_seq=self.accepted_seq, now=self._now(),
                 )  # fmt: skip
             except McpError as e:
+                if isinstance(e, ReplayError) and envelope == self._desired_doc().get("envelope"):
+                    # The retained document again (a new subscription after a restart or a
+                    # reconnect): already accepted, nothing to do and nothing to report.
+                    log.debug("desired state seq %s is the one already accepted", self.accepted_seq)
+                    return
                 log.warning("desired state refused: %s", e)
+                for model, version in _named_models(envelope):
+                    self.recorder.refused(model, version, _refusal_cause(e), str(e))
+                await self.recorder.flush()
                 raise
             log.info("desired state seq %d accepted (%d models)", state.seq, len(state.models))
             await asyncio.to_thread(self._save_desired, state.seq, self.applied_seq, envelope)
@@ -437,3 +458,35 @@ def updates_status(store: ModelStore) -> dict[str, Any]:
             "record": record.model_dump(mode="json") if record else None,
         }
     return out
+
+
+def _refusal_cause(e: McpError) -> str:
+    """The event cause of a refused desired state."""
+    if isinstance(e, SigningError):
+        return "desired_signature"
+    if isinstance(e, ReplayError):
+        return "desired_replay"
+    if isinstance(e, ExpiredError):
+        return "desired_expired"
+    return "desired_invalid"
+
+
+def _named_models(envelope: Any) -> list[tuple[str, str]]:
+    """``(model, stable version)`` pairs a refused envelope names, where they are well-formed.
+
+    Only for the event that says what was refused: nothing here is acted upon.
+    """
+    signed = envelope.get("signed") if isinstance(envelope, dict) else None
+    models = signed.get("models") if isinstance(signed, dict) else None
+    named: list[tuple[str, str]] = []
+    for m in models[:64] if isinstance(models, list) else []:
+        stable = m.get("stable") if isinstance(m, dict) else None
+        name = m.get("name") if isinstance(m, dict) else None
+        version = stable.get("version") if isinstance(stable, dict) else None
+        if not (isinstance(name, str) and isinstance(version, str) and 5 <= len(version) <= 128):
+            continue
+        try:
+            named.append((validate_id(name, "model name"), version))
+        except McpError:
+            continue
+    return named

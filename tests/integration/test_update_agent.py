@@ -296,10 +296,15 @@ async def test_canary_beside_stable_then_removed(env: Env) -> None:
 
 async def test_desired_states_with_bad_signature_replay_or_expiry_are_refused(env: Env) -> None:
     now = {"t": datetime.now(timezone.utc).timestamp()}
-    agent, manager, _ = env.agent(clock=lambda: now["t"])
+    agent, manager, sink = env.agent(clock=lambda: now["t"])
     await agent.resume()
-    await agent.handle_desired(env.desired(5, env.publish("1.0.0")))
+    accepted = env.desired(5, env.publish("1.0.0"))
+    await agent.handle_desired(accepted)
     v2 = env.publish("1.1.0")
+    # The retained document delivered again (a reconnect) is no replay: silently nothing.
+    before = len(sink.events)
+    await agent.handle_desired(accepted)
+    assert len(sink.events) == before
 
     forged = env.repo.desired(6, [DesiredModel(name="digits", stable=v2)],
                               key=PrivateKey.generate())  # fmt: skip
@@ -313,6 +318,11 @@ async def test_desired_states_with_bad_signature_replay_or_expiry_are_refused(en
         await agent.handle_desired(late)
 
     assert (await answer(manager, env.digits))[0] == "1.0.0"
+    refusals = [(e.model, e.version, e.cause) for e in sink.events[before:]]
+    assert refusals == [("digits", "1.1.0", "desired_signature"),
+                        ("digits", "1.1.0", "desired_replay"),
+                        ("digits", "1.1.0", "desired_expired")]  # fmt: skip
+    assert all(e.outcome is EventOutcome.ERROR for e in sink.events[before:])
     # replay protection survives a restart
     again, _, _ = env.agent()
     with pytest.raises(ReplayError):
