@@ -56,7 +56,7 @@ from controlplane.metrics import ControlPlaneMetrics
 from controlplane.mqtt import BrokerAddress, MqttSubscriber
 from shared.errors import MessageError, TopicError
 from shared.protocol import topics
-from shared.protocol.codec import decode_for_topic, schema_for_topic
+from shared.protocol.codec import decode_for_parsed, schema_for_topic
 from shared.protocol.state import DeploymentEvent, ReportedState
 from shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
 from shared.protocol.topics import Channel
@@ -305,7 +305,7 @@ class IngestService:
         if len(batch) >= self._max_backlog:
             raise _Dropped(DropReason.BACKLOG_FULL, f"{len(batch)} messages wait for the database")
         try:
-            _, message = decode_for_topic(topic, payload)
+            message = decode_for_parsed(parsed, payload)
         except MessageError as e:
             raise _Dropped(_classify(e), str(e)) from e
         self._accept(batch, device_id, self._rows(batch, message))

@@ -14,10 +14,12 @@ leaves as one of :mod:`controlplane.db.errors`, chained to the original.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import orjson
 from sqlalchemy import event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import (
@@ -108,13 +110,22 @@ def translate(e: SQLAlchemyError) -> DatabaseError:
     return DatabaseError(f"database error: {detail}")
 
 
+def _json_text(value: Any) -> str:
+    """JSON columns' serializer: orjson (telemetry ingestion writes two per health row), the
+    standard library for what orjson refuses (integers beyond 64 bits, non-string keys)."""
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return json.dumps(value)
+
+
 class Database:
     """The engine of one app and the transactions handlers run in."""
 
     def __init__(self, url: str, *, echo: bool = False) -> None:
         self.url = async_url(url)
         self.is_sqlite = self.url.get_backend_name() == "sqlite"
-        kwargs: dict[str, Any] = {"echo": echo}
+        kwargs: dict[str, Any] = {"echo": echo, "json_serializer": _json_text}
         if not self.is_sqlite:
             kwargs.update(pool_pre_ping=True, pool_size=10, max_overflow=20)
         self.engine: AsyncEngine = create_async_engine(self.url, **kwargs)

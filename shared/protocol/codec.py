@@ -11,6 +11,7 @@ several (the control plane's ingest).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, TypeVar
 
@@ -145,19 +146,25 @@ def schema_for_topic(topic: topics.Topic) -> type[Message] | None:
         return InferRequest
     if not isinstance(topic, topics.DeviceTopic):
         return None
-    # Imported here so a process that only decodes inference requests (the agent's HTTP
-    # path) does not load every message family.
+    by_kind, by_channel = _schemas()
+    if topic.channel is topics.Channel.TELEMETRY:
+        return by_kind.get(str(topic.detail))
+    return by_channel.get(topic.channel)
+
+
+@functools.cache
+def _schemas() -> tuple[dict[str, type[Message]], dict[topics.Channel, type[Message]]]:
+    # Imported on first use so a process that only decodes inference requests (the agent's
+    # HTTP path) does not load every message family.
     from shared.protocol.command import CommandReply, CommandRequest
     from shared.protocol.state import DeploymentEvent, ReportedState
     from shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
 
-    if topic.channel is topics.Channel.TELEMETRY:
-        by_kind: dict[topics.TelemetryKind, type[Message]] = {
-            topics.TelemetryKind.HEALTH: HealthSample,
-            topics.TelemetryKind.INFERENCE: InferenceStats,
-            topics.TelemetryKind.DRIFT: DriftReport,
-        }
-        return by_kind[topics.TelemetryKind(topic.detail)]
+    by_kind: dict[str, type[Message]] = {
+        topics.TelemetryKind.HEALTH.value: HealthSample,
+        topics.TelemetryKind.INFERENCE.value: InferenceStats,
+        topics.TelemetryKind.DRIFT.value: DriftReport,
+    }
     by_channel: dict[topics.Channel, type[Message]] = {
         topics.Channel.REPORTED: ReportedState,
         topics.Channel.EVENTS: DeploymentEvent,
@@ -165,7 +172,7 @@ def schema_for_topic(topic: topics.Topic) -> type[Message] | None:
         topics.Channel.COMMAND_REPLY: CommandReply,
         topics.Channel.INFER: InferRequest,
     }
-    return by_channel.get(topic.channel)
+    return by_kind, by_channel
 
 
 def decode_for_topic(
@@ -177,9 +184,16 @@ def decode_for_topic(
     Raises :class:`shared.errors.TopicError` or :class:`MessageError`.
     """
     parsed = topics.parse(topic)
+    return parsed, decode_for_parsed(parsed, payload)
+
+
+def decode_for_parsed(
+    parsed: topics.Topic, payload: bytes | bytearray | memoryview | str
+) -> Message:
+    """:func:`decode_for_topic` for a topic already parsed (saves parsing it twice)."""
     cls = schema_for_topic(parsed)
     if cls is None:
-        raise MessageError(f"topic {topic!r:.80} carries no typed message")
+        raise MessageError(f"topic {str(parsed)!r:.80} carries no typed message")
     message = decode(payload, cls)
     claimed = getattr(message, "device_id", None)
     if (
@@ -190,4 +204,4 @@ def decode_for_topic(
         raise MessageError(
             f"payload claims device {claimed!r} on device {parsed.device_id!r}'s topic"
         )
-    return parsed, message
+    return message
