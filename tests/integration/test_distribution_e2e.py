@@ -34,7 +34,7 @@ AGENT = [sys.executable, "-m", "agent.cli"]
 CP = [sys.executable, "-m", "controlplane.cli"]
 BUNDLE = [sys.executable, "-m", "shared.bundle_cli"]
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _free_port() -> int:
@@ -167,12 +167,12 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
     )
     processes.append(agent)
     _wait(lambda: _get(f"{cp_url}/api/v1/devices", api)["items"][0].get("online"),
-          "cam-1 online", 60)
+          "cam-1 online", 90)
     assert _status(f"http://127.0.0.1:{port}/v2/models/digits/ready") == 404
 
     sh(*CP, "deploy", "digits", "1.0.0", "--device", "cam-1", *auth)
     ready = f"http://127.0.0.1:{port}/v2/models/digits/ready"
-    _wait(lambda: _status(ready) == 200, "digits 1.0.0 served by the agent", 90)
+    _wait(lambda: _status(ready) == 200, "digits 1.0.0 served by the agent", 120)
 
     x = digits.X_test[:4].astype(np.float32)
     body = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",

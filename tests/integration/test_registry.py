@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from click.testing import CliRunner
 from tuf.ngclient.updater import Updater
 
+from agent.update.transport_http import HttpRepoTransport
 from controlplane.app import create_app
 from controlplane.bootstrap import initialize
 from controlplane.cli import main as controlplane_cli
@@ -272,6 +273,38 @@ async def test_publish_list_and_download_with_the_tuf_client(
         "digits@1.0.0",
         "digits@1.3.0",
     }
+
+
+async def test_the_agents_http_transport_reads_the_control_planes_repo_routes(
+    cp: ControlPlane, bundles: Bundles, tmp_path: Path
+) -> None:
+    """`mcp-agent run --repo http://cp/repo`: ngclient through HttpRepoTransport, and a download
+    that resumes from a partial file with a Range request, verified by TUF."""
+    await add_publisher(cp, bundles.publisher)
+    status, version = await push(cp, bundles.signed)
+    assert status == 201, version
+    data = bundles.signed.read_bytes()
+    transport = HttpRepoTransport(repo_url(cp))
+    device = tmp_path / "device"
+    device.mkdir()
+    root = (cp.settings.data_dir / "repository" / "metadata" / "root.json").read_bytes()
+
+    def fetch() -> tuple[int, bytes]:
+        updater = Updater(str(device), transport.metadata_url, target_base_url=transport.targets_url,
+                          fetcher=transport.fetcher(), bootstrap=root)  # fmt: skip
+        updater.refresh()
+        info = updater.get_targetinfo(TARGET)
+        assert info is not None
+        dest = tmp_path / "partial.mcpb"
+        dest.write_bytes(data[:1000])  # an earlier, interrupted download
+        url = f"{transport.targets_url}digits/1.0.0/{info.hashes['sha256']}.digits-1.0.0.mcpb"
+        sent = transport.download(url, dest, length=info.length)
+        with dest.open("rb") as f:
+            info.verify_length_and_hashes(f)
+        return sent, dest.read_bytes()
+
+    sent, fetched = await asyncio.to_thread(fetch)
+    assert fetched == data and sent == len(data) - 1000
 
 
 async def test_unsigned_unknown_and_revoked_signers_are_refused(
