@@ -92,6 +92,7 @@ class BrokerAddress:
 class MqttSubscriber:
     """One MQTT 5 session subscribed to ``filters`` at QoS 1, handing messages to ``handler``
     (``(topic, payload)``) or, when given, to ``on_message`` (a :class:`ReceivedMessage`).
+    With no filters (and no handler) it is a publish-only session.
 
     ``session_expiry_s``: after a crash or a lost connection the broker keeps the session (and
     queues its QoS 1 messages, including its turn of every shared subscription) this long, so
@@ -114,8 +115,10 @@ class MqttSubscriber:
         timeout_s: float = 10.0,
         max_inflight: int = 20,
     ) -> None:
-        if (handler is None) == (on_message is None):
+        if filters and (handler is None) == (on_message is None):
             raise ValueError("give exactly one of handler and on_message")
+        if not filters and (handler is not None or on_message is not None):
+            raise ValueError("a session without filters receives nothing: give no handler")
         self._address = address
         self._filters = list(filters)
         self._handler = handler
@@ -209,6 +212,9 @@ class MqttSubscriber:
     ) -> None:
         if reason.is_failure:
             self._post(self._fail, f"the broker at {self.where} refused the login: {reason}")
+            return
+        if not self._filters:  # a publish-only session
+            self._post(self._ready)
             return
         # Every (re)connect: subscribe again, once per filter, in one SUBSCRIBE packet.
         rc, self._subscribe_mid = client.subscribe([(f, 1) for f in self._filters])

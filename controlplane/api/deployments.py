@@ -47,7 +47,6 @@ from controlplane.deployments import (
 from controlplane.ingest import IngestConnection
 from controlplane.mqtt import MqttSubscriber
 from shared.errors import McpError
-from shared.protocol import topics
 from shared.protocol.base import Identifier, Labels, VersionText
 from shared.protocol.command import ErrorCode
 
@@ -303,10 +302,6 @@ def desired_account_name(service_client_id: str) -> str:
     return f"{service_client_id[:56]}-desired"
 
 
-def _ignore(_topic: str, _payload: bytes) -> None:
-    """The desired-state session only publishes; its one subscription carries nothing."""
-
-
 def attach_deployments(
     app: web.Application,
     service: DeploymentService,
@@ -328,10 +323,7 @@ def attach_deployments(
         else:
             name = desired_account_name(broker.credentials.client_id)
             credentials = await provisioner.provision_service(name)
-            # MqttSubscriber needs a filter: the session's own (device-shaped) desired topic,
-            # where nothing is ever published.
-            session = MqttSubscriber(broker.address, credentials, [topics.desired(name)],
-                                     _ignore, name="desired")
+            session = MqttSubscriber(broker.address, credentials, [], name="desired")
             await session.start()
             sessions.append(session)
             service.use_publisher(session)
