@@ -367,10 +367,12 @@ def serve_command(
       curl localhost:8080/v2/models/digits
     """
     configure_logging(log_level)
-    from shared.signing import read_public_key
-
     try:
-        keys = tuple(read_public_key(p) for p in trust_keys)
+        keys: tuple[PublicKey, ...] = ()
+        if trust_keys:  # PyNaCl is loaded only when keys are given: ~1 MiB of RSS otherwise
+            from shared.signing import read_public_key
+
+            keys = tuple(read_public_key(p) for p in trust_keys)
         candidates = tuple(parse_canary(c) for c in canaries)
     except (McpError, ValueError) as e:
         raise click.ClickException(str(e)) from e

@@ -168,6 +168,7 @@ class DynamicBatcher:
         # Seeded from the warm-up's measured batch-1 time, then an average of real runs.
         self._avg_batch_s: float | None = expected_run_s
         self._pump_soon = False
+        self._tick_open = False
 
     @property
     def queue_depth(self) -> int:
@@ -202,7 +203,7 @@ class DynamicBatcher:
         self._notify_depth()
         future = pending.future
         if self._inline():
-            if not busy and not self._pump_soon:
+            if not busy and not self._pump_soon and not self._another_this_tick(loop):
                 self._pump()  # a lone request: answer now, no extra loop iteration
                 return future.result()
             # Run at the end of this loop iteration, so the requests parsed in the same
@@ -222,6 +223,24 @@ class DynamicBatcher:
     def _inline(self) -> bool:
         avg = self._avg_batch_s
         return avg is not None and avg < self.config.inline_below_s
+
+    def _another_this_tick(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """True when a request already came in this event-loop iteration.
+
+        Inline requests never overlap (each runs to its answer without yielding), so the
+        caller's ``busy`` cannot see a burst: under load the handlers woken by one socket poll
+        arrive one after another in the same iteration. The first of them runs at once; the
+        rest share one deferred run. The flag is cleared by a callback that runs after
+        everything this iteration holds.
+        """
+        if self._tick_open:
+            return True
+        self._tick_open = True
+        loop.call_soon(self._close_tick)
+        return False
+
+    def _close_tick(self) -> None:
+        self._tick_open = False
 
     def _deferred_pump(self) -> None:
         self._pump_soon = False
