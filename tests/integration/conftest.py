@@ -27,6 +27,7 @@ import pytest
 from paho.mqtt.reasoncodes import ReasonCode
 
 from controlplane.broker.base import Credentials
+from tests.support.controlplane import reset_postgres
 from tests.support.mosquitto import DynsecMosquittoBroker, MosquittoBroker, find_executable
 
 TIMEOUT_S = 10.0
@@ -224,3 +225,15 @@ async def mqtt_probe() -> AsyncIterator[ProbeFactory]:
     yield connect
     for probe in probes:
         await probe.close()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Each test twice: on an empty SQLite file, and on the session's PostgreSQL database,
+    emptied before the test and again after it (other tests expect to find it empty)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'cp.db'}"
+        return
+    url = reset_postgres(request.getfixturevalue("postgres_url"))
+    yield url
+    reset_postgres(url)

@@ -8,7 +8,7 @@ broker side is a fake provisioner implementing our `BrokerProvisioner` protocol.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,23 +27,10 @@ from tests.support.controlplane import (
     FakeClock,
     FakeProvisioner,
     envelope,
-    reset_postgres,
 )
 
 ADMIN_PASSWORD = "correct horse battery"
 BROKER_URL = "mqtt://broker.test:1883"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """An empty database: a SQLite file, or the session's PostgreSQL database, emptied before
-    the test and again after it (other tests expect to find it empty)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'cp.db'}"
-        return
-    url = reset_postgres(request.getfixturevalue("postgres_url"))
-    yield url
-    reset_postgres(url)
 
 
 MakeControlPlane = Callable[..., Awaitable[ControlPlane]]

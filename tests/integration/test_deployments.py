@@ -53,7 +53,6 @@ from tests.support.controlplane import (
     FakeClock,
     FakeProvisioner,
     envelope,
-    reset_postgres,
     served,
 )
 from tests.support.mosquitto import DynsecMosquittoBroker
@@ -61,17 +60,6 @@ from tests.support.mosquitto import DynsecMosquittoBroker
 DEADLINE_S = 30.0
 ADMIN_PASSWORD = "correct horse battery"
 TTL = timedelta(days=7)
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """An empty SQLite file or the session's PostgreSQL database (emptied before and after)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'cp.db'}"
-        return
-    url = reset_postgres(request.getfixturevalue("postgres_url"))
-    yield url
-    reset_postgres(url)
 
 
 def sha(text: str) -> str:

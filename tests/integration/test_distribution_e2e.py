@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -28,28 +25,21 @@ import pytest
 
 from tests.support.models import DigitsModels
 from tests.support.mosquitto import DynsecMosquittoBroker
+from tests.support.processes import (
+    AGENT,
+    BUNDLE,
+    CONTROLPLANE,
+    REPO,
+    free_port,
+    stopped_at_exit,
+    wait_until,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-AGENT = [sys.executable, "-m", "agent.cli"]
-CP = [sys.executable, "-m", "controlplane.cli"]
-BUNDLE = [sys.executable, "-m", "shared.bundle_cli"]
+CP = CONTROLPLANE
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(predicate: Any, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _get(url: str, token: str | None = None) -> Any:
@@ -70,16 +60,8 @@ def _status(url: str) -> int:
 
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+    with stopped_at_exit() as procs:
+        yield procs
 
 
 class Client(threading.Thread):
@@ -132,7 +114,7 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
              "--admin-password-file", admin_pw)
     api = out.strip().splitlines()[-1]
     cp = subprocess.Popen(
-        [*CP, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{_free_port()}"],
+        [*CP, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
     )
     processes.append(cp)
@@ -160,19 +142,19 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
     state = tmp_path / "agent"
     sh(*AGENT, "enroll", "--server", cp_url, "--token", enroll_token, "--device-id", "cam-1",
        "--state-dir", state)
-    port = _free_port()
+    port = free_port()
     agent = subprocess.Popen(
         [*AGENT, "run", "--port", str(port), "--state-dir", str(state), "--health-interval", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
     )
     processes.append(agent)
-    _wait(lambda: _get(f"{cp_url}/api/v1/devices", api)["items"][0].get("online"),
+    wait_until(lambda: _get(f"{cp_url}/api/v1/devices", api)["items"][0].get("online"),
           "cam-1 online", 90)
     assert _status(f"http://127.0.0.1:{port}/v2/models/digits/ready") == 404
 
     sh(*CP, "deploy", "digits", "1.0.0", "--device", "cam-1", *auth)
     ready = f"http://127.0.0.1:{port}/v2/models/digits/ready"
-    _wait(lambda: _status(ready) == 200, "digits 1.0.0 served by the agent", 120)
+    wait_until(lambda: _status(ready) == 200, "digits 1.0.0 served by the agent", 120)
 
     x = digits.X_test[:4].astype(np.float32)
     body = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
@@ -189,13 +171,13 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
     client = Client(infer, body)
     client.start()
     try:
-        _wait(lambda: len(client.versions) >= 20, "the client under way", 30)
+        wait_until(lambda: len(client.versions) >= 20, "the client under way", 30)
         sh(*BUNDLE, "push", bundles["1.1.0"], *auth)
         sh(*CP, "deploy", "digits", "1.1.0", "--device", "cam-1", *auth)
-        _wait(lambda: client.versions and client.versions[-1] == "1.1.0",
+        wait_until(lambda: client.versions and client.versions[-1] == "1.1.0",
               "answers from 1.1.0", 90)
         seen = len(client.versions)
-        _wait(lambda: len(client.versions) >= seen + 20, "more answers after the swap", 30)
+        wait_until(lambda: len(client.versions) >= seen + 20, "more answers after the swap", 30)
     finally:
         client.stop.set()
         client.join(timeout=15)
@@ -210,7 +192,7 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
         return [(e["version"], e["phase"], e["outcome"]) for e in items]
 
     try:
-        _wait(lambda: ("1.1.0", "active", "ok") in phases(), "the 1.1.0 activation event", 30)
+        wait_until(lambda: ("1.1.0", "active", "ok") in phases(), "the 1.1.0 activation event", 30)
     except AssertionError:
         agent.terminate()
         raise AssertionError(f"{phases()}\n{agent.communicate(timeout=20)[1][-6000:]}") from None

@@ -7,10 +7,7 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,25 +20,18 @@ from agent.fleet.client import InferenceClient
 from controlplane.broker.dynsec import DynsecProvisioner
 from tests.support.models import DigitsModels
 from tests.support.mosquitto import DynsecMosquittoBroker
+from tests.support.processes import (
+    AGENT,
+    CONTROLPLANE,
+    REPO,
+    free_port,
+    stopped_at_exit,
+    wait_until,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-AGENT = [sys.executable, "-m", "agent.cli"]
-CP = [sys.executable, "-m", "controlplane.cli"]
+CP = CONTROLPLANE
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _api(url: str, token: str) -> Any:
@@ -52,16 +42,8 @@ def _api(url: str, token: str) -> Any:
 
 @pytest.fixture
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    procs: list[subprocess.Popen[str]] = []
-    yield procs
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(timeout=10)
+    with stopped_at_exit() as procs:
+        yield procs
 
 
 def _devices(cp_url: str, token: str) -> dict[str, dict[str, Any]]:
@@ -93,7 +75,7 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
     assert init.returncode == 0, init.stderr
     api_token = init.stdout.strip().splitlines()[-1]
     cp = subprocess.Popen(
-        [*CP, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{_free_port()}"],
+        [*CP, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
     )
     processes.append(cp)
@@ -125,7 +107,7 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
         )
         assert again.returncode == 0 and "nothing changed" in again.stdout
         proc = subprocess.Popen(
-            [*AGENT, "run", "--model-path", str(digits.onnx_path), "--port", str(_free_port()),
+            [*AGENT, "run", "--model-path", str(digits.onnx_path), "--port", str(free_port()),
              "--state-dir", str(state), "--health-interval", "1"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
         )
@@ -136,10 +118,10 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
         devices = _devices(cp_url, api_token)
         return all(devices.get(n, {}).get("online") for n in agents)
 
-    _wait(both_online, "both agents online in GET /api/v1/devices", 60)
+    wait_until(both_online, "both agents online in GET /api/v1/devices", 60)
     devices = _devices(cp_url, api_token)
     assert devices["cam-1"]["labels"] == {"site": "lab"}
-    _wait(lambda: len(_api(f"{cp_url}/api/v1/devices/cam-1/health", api_token)["items"]) > 0,
+    wait_until(lambda: len(_api(f"{cp_url}/api/v1/devices/cam-1/health", api_token)["items"]) > 0,
           "a health sample from cam-1", 60)
 
     async def infer() -> None:
@@ -158,6 +140,6 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
 
     agents["cam-2"].send_signal(signal.SIGKILL)
     agents["cam-2"].wait(timeout=10)
-    _wait(lambda: not _devices(cp_url, api_token)["cam-2"]["online"],
+    wait_until(lambda: not _devices(cp_url, api_token)["cam-2"]["online"],
           "cam-2 offline through its last will", 90)
     assert _devices(cp_url, api_token)["cam-1"]["online"]

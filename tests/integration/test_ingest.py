@@ -12,7 +12,7 @@ import asyncio
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,22 +34,11 @@ from shared.protocol import topics
 from shared.protocol.topics import TelemetryKind
 from shared.signing import PrivateKey
 from tests.integration.conftest import MqttProbe
-from tests.support.controlplane import ControlPlane, FakeClock, reset_postgres
+from tests.support.controlplane import ControlPlane, FakeClock
 from tests.support.mosquitto import DynsecMosquittoBroker
 
 DEADLINE_S = 15.0
 ADMIN_PASSWORD = "correct horse battery"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """An empty SQLite file or the session's PostgreSQL database (emptied before and after)."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'cp.db'}"
-        return
-    url = reset_postgres(request.getfixturevalue("postgres_url"))
-    yield url
-    reset_postgres(url)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,7 +36,6 @@ from tests.support.controlplane import (
     ControlPlane,
     FakeClock,
     FakeProvisioner,
-    reset_postgres,
     served,
 )
 from tests.support.models import DigitsModels
@@ -88,16 +87,6 @@ def bundles(tmp_path_factory: pytest.TempPathFactory, digits: DigitsModels) -> B
             variants={"rpi": VariantSource(digits.tflite_path, ("raspberry-pi", "generic-arm64"))},
         ),
     )
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'cp.db'}"
-        return
-    url = reset_postgres(request.getfixturevalue("postgres_url"))
-    yield url
-    reset_postgres(url)
 
 
 MakeControlPlane = Callable[..., Awaitable[ControlPlane]]

@@ -87,6 +87,14 @@ class FakeProvisioner:
         self._check()
         self.deleted.append(device_id)
 
+    async def disable_app_client(self, client_id: str) -> None:
+        self._check()
+        self.disabled.append(client_id)
+
+    async def delete_app_client(self, client_id: str) -> None:
+        self._check()
+        self.deleted.append(client_id)
+
 
 def envelope(
     key: PrivateKey,

@@ -1,0 +1,51 @@
+"""Helpers for tests that run the real command-line programs as processes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT = [sys.executable, "-m", "agent.cli"]
+CONTROLPLANE = [sys.executable, "-m", "controlplane.cli"]
+BUNDLE = [sys.executable, "-m", "shared.bundle_cli"]
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``predicate`` until it is truthy; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextmanager
+def stopped_at_exit() -> Iterator[list[subprocess.Popen[str]]]:
+    """A list to append started processes to; each is terminated (then killed) at exit."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=10)
