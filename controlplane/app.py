@@ -100,7 +100,8 @@ class UnconfiguredProvisioner:
     def _refusal() -> BrokerAdminError:
         return BrokerAdminError(
             "no broker provisioner is configured on this control plane; devices can be "
-            "preauthorized and approved, but not given MQTT credentials yet"
+            "preauthorized and approved, but neither devices nor applications can be given "
+            "MQTT credentials yet"
         )
 
     async def provision_device(self, device_id: str) -> Credentials:
@@ -119,6 +120,13 @@ class UnconfiguredProvisioner:
         return None
 
     async def delete_device(self, device_id: str) -> None:
+        return None
+
+    async def disable_app_client(self, client_id: str) -> None:
+        log.warning("no broker provisioner: app client %s is revoked in the database only",
+                    client_id)
+
+    async def delete_app_client(self, client_id: str) -> None:
         return None
 
 

@@ -12,6 +12,7 @@ devices but not give them MQTT credentials, and there is no ingestion.
     mcp-controlplane login | users | tokens | devices | audit ...   (REST client, see cli_fleet)
     mcp-controlplane keys ... (local) | publishers | models ...    (see cli_repo)
     mcp-controlplane deploy | undeploy | deployments | desired ... (see cli_deploy)
+    mcp-controlplane apps create | list | revoke ...               (see cli_apps)
 
 Flags, environment (``MCP_DATA_DIR``, ``MCP_DATABASE_URL``, ``MCP_LISTEN``,
 ``MCP_BROKER_URLS``) and ``<data dir>/controlplane.toml`` become one
@@ -33,6 +34,7 @@ from typing import Any
 import click
 
 from controlplane import __version__
+from controlplane.cli_apps import COMMANDS as APP_COMMANDS
 from controlplane.cli_deploy import COMMANDS as DEPLOY_COMMANDS
 from controlplane.cli_fleet import COMMANDS
 from controlplane.cli_repo import COMMANDS as REPO_COMMANDS
@@ -240,7 +242,7 @@ async def _serve(settings: Settings, ready: Any) -> None:
         )
 
 
-for _command in (*COMMANDS, *REPO_COMMANDS, *DEPLOY_COMMANDS):
+for _command in (*COMMANDS, *REPO_COMMANDS, *DEPLOY_COMMANDS, *APP_COMMANDS):
     main.add_command(_command)
 
 

@@ -14,7 +14,6 @@ and the exit status is 1, with a message naming what did not happen, when one fa
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import pwd
@@ -38,8 +37,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from controlplane.broker.base import BrokerAdminError  # noqa: E402
-from controlplane.broker.dynsec import DynsecProvisioner  # noqa: E402
 from tests.support.models import train_digits_mlp, write_digits_onnx  # noqa: E402
 from tests.support.mosquitto import (  # noqa: E402
     MosquittoError,
@@ -390,22 +387,15 @@ class Demo:
     def mqtt_inference(self) -> None:
         self.step(f"Ask the fleet over MQTT (mcp/v1/fleet/infer/{MODEL}; one agent answers) "
                   f"with an application account")
-        password = (self.work / "broker/dynsec-admin.password").read_text().strip()
-
-        async def provision() -> str:
-            async with DynsecProvisioner(HOST, self.broker_port, "admin", password) as admin:
-                return (await admin.provision_app_client(APP_CLIENT)).password
-        try:
-            app_password = asyncio.run(provision())
-        except BrokerAdminError as e:
-            raise DemoError(f"cannot create the application account: {e}; "
-                            f"read {self.logs / 'mosquitto.log'}") from e
-        say(f"    (account app-{APP_CLIENT} made through the dynamic-security plugin; the "
-            f"password goes in MCP_MQTT_PASSWORD)")
+        account = json.loads(self.cli("mcp-controlplane", "apps", "create", APP_CLIENT,
+                                      "--description", "demo MQTT client", "--json"))
+        say(f"    (the control plane made the broker account {account['username']}; it may "
+            f"send requests and read {account['reply_topic']} only; the password, shown once, "
+            f"goes in MCP_MQTT_PASSWORD)")
         args = ["infer", "--mqtt", f"{HOST}:{self.broker_port}", "--model", MODEL, "--data",
                 "@" + str(self.work / "model/request.json"), "--client-id", APP_CLIENT,
-                "--username", f"app-{APP_CLIENT}", "--timeout", "10"]
-        env = {"MCP_MQTT_PASSWORD": app_password}
+                "--username", account["username"], "--timeout", "10"]
+        env = {"MCP_MQTT_PASSWORD": account["password"]}
         # An agent joins a model's fleet topic right after the deployment that made it live;
         # the HTTP check above can pass a moment before that subscription is granted.
         self.wait_for("an agent subscribed to the fleet topic", lambda: self.cli(

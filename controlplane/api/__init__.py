@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from controlplane.api import (
     approvals,
+    apps,
     audit,
     deployments,
     devices,
@@ -30,4 +31,5 @@ def all_endpoints() -> list[Endpoint]:
         *audit.ENDPOINTS,
         *models.ENDPOINTS,
         *deployments.ENDPOINTS,
+        *apps.ENDPOINTS,
     ]

@@ -56,3 +56,12 @@ class BrokerProvisioner(Protocol):
 
     async def delete_device(self, device_id: str) -> None:
         ...
+
+    async def disable_app_client(self, client_id: str) -> None:
+        """Disable the application's account and disconnect a live session (revocation); no
+        error when it has no account."""
+        ...
+
+    async def delete_app_client(self, client_id: str) -> None:
+        """Delete the application's account (disconnecting a live session) and its role."""
+        ...

@@ -226,6 +226,26 @@ class DynsecProvisioner:
             tolerate={CLIENT_NOT_FOUND, ROLE_NOT_FOUND},
         )
 
+    async def disable_app_client(self, client_id: str) -> None:
+        """Disable ``app-{client_id}``: Mosquitto disconnects a live session at once and
+        refuses new ones. No account: no error (nothing can log in as it anyway)."""
+        username = username_for(AccountKind.APP, client_id)
+        await self._execute(
+            [{"command": "disableClient", "username": username}], tolerate={CLIENT_NOT_FOUND}
+        )
+        _log.info("broker account %s disabled", username)
+
+    async def delete_app_client(self, client_id: str) -> None:
+        """Delete ``app-{client_id}`` (disconnecting a live session) and its role."""
+        spec = app_client_account(client_id)
+        await self._execute(
+            [
+                {"command": "deleteClient", "username": spec.username},
+                {"command": "deleteRole", "rolename": spec.role},
+            ],
+            tolerate={CLIENT_NOT_FOUND, ROLE_NOT_FOUND},
+        )
+
     async def _provision(self, spec: AccountSpec) -> Credentials:
         # Any account may take over the session of another that uses the same client id, so
         # refuse a client id that another kind of account is already bound to.

@@ -397,3 +397,20 @@ class DesiredStateRow(Base):
     expires_at: Mapped[datetime]
     refresh_at: Mapped[datetime] = mapped_column(index=True)
     published_at: Mapped[datetime | None]
+
+
+# ---------------------------------------------------------------------------- applications (0005)
+
+
+class AppClient(Base):
+    """An application's MQTT account (``app-{client_id}`` at the broker): it may send inference
+    requests and read its own reply topic. The password is never stored; a revoked row is kept
+    for the audit trail and its client id is not given out again."""
+
+    __tablename__ = "app_clients"
+
+    client_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    description: Mapped[str] = mapped_column(String(256), default="")
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
