@@ -12,7 +12,7 @@ import asyncio
 import json
 import secrets
 import shlex
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,6 @@ from tests.support.controlplane import (
     ControlPlane,
     FakeClock,
     FakeProvisioner,
-    reset_postgres,
     served,
 )
 from tests.support.mosquitto import DynsecMosquittoBroker
@@ -43,18 +42,6 @@ from tests.support.mosquitto import DynsecMosquittoBroker
 ADMIN_PASSWORD = "correct horse battery"
 BROKER_URL = "mqtt://broker.test:1883"
 NOT_AUTHORIZED = "Not authorized"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """An empty database: a SQLite file, or the session's PostgreSQL database emptied before
-    and after the test."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'cp.db'}"
-        return
-    url = reset_postgres(request.getfixturevalue("postgres_url"))
-    yield url
-    reset_postgres(url)
 
 
 MakeControlPlane = Callable[..., Awaitable[ControlPlane]]

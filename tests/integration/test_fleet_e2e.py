@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from agent.fleet.client import InferenceClient
-from controlplane.broker.dynsec import DynsecProvisioner
 from tests.support.models import DigitsModels
 from tests.support.mosquitto import DynsecMosquittoBroker
 from tests.support.processes import (
@@ -124,13 +123,18 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
     wait_until(lambda: len(_api(f"{cp_url}/api/v1/devices/cam-1/health", api_token)["items"]) > 0,
           "a health sample from cam-1", 60)
 
+    app = subprocess.run(
+        [*CP, "apps", "create", "e2e-app", "--json", "--server", cp_url, "--token", api_token],
+        capture_output=True, text=True, timeout=60, cwd=REPO, env=env,
+    )
+    assert app.returncode == 0, app.stderr
+    creds = json.loads(app.stdout)
+
     async def infer() -> None:
-        async with DynsecProvisioner(broker.host, broker.port, broker.admin_username,
-                                     broker.admin_password) as prov:
-            creds = await prov.provision_app_client("e2e-app")
         x = digits.X_test[:5].astype(np.float32)
-        async with InferenceClient(broker.host, broker.port, client_id=creds.client_id,
-                                   username=creds.username, password=creds.password) as client:
+        async with InferenceClient(broker.host, broker.port, client_id=creds["client_id"],
+                                   username=creds["username"],
+                                   password=creds["password"]) as client:
             for device in ("cam-1", "cam-2", None):
                 resp = await client.infer("digits", {"input": x}, device=device, timeout_s=10)
                 scores = np.asarray(resp.outputs[0].data, dtype=np.float32).reshape(5, 10)
