@@ -6,7 +6,6 @@ mistakes exit with status 2 (click's convention). See docs/bundle-format.md.
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import sys
@@ -15,7 +14,6 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import click
 
@@ -28,6 +26,7 @@ from shared.bundle import (
     sign_bundle,
     verify_bundle,
 )
+from shared.bundle.upload import upload_bundle
 from shared.errors import McpError
 from shared.signing import (
     PrivateKey,
@@ -436,62 +435,6 @@ def inspect(bundle: Path, as_json: bool) -> None:
 
 
 DEFAULT_SERVER = "http://127.0.0.1:8080"
-UPLOAD_CHUNK_BYTES = 1 << 20
-
-
-def _upload(
-    server: str, token: str, bundle: Path, *, timeout: float, progress: bool
-) -> tuple[int, Any]:
-    """POST ``bundle`` to ``{server}/api/v1/bundles`` in chunks; return (status, JSON answer).
-
-    Raises :class:`CliError` when the server cannot be reached or does not answer JSON.
-    """
-    parts = urlsplit(server)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CliError(f"--server {server!r} must be an http:// or https:// URL")
-    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
-    size = bundle.stat().st_size
-    bar: Any = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=size, desc="push", unit="B", unit_scale=True, unit_divisor=1024,
-                   file=sys.stderr)
-    try:
-        try:
-            conn.putrequest("POST", parts.path.rstrip("/") + "/api/v1/bundles")
-            conn.putheader("Content-Type", "application/octet-stream")
-            conn.putheader("Content-Length", str(size))
-            conn.putheader("Authorization", f"Bearer {token}")
-            conn.putheader("Accept", "application/json")
-            conn.endheaders()
-            with open(bundle, "rb") as f:
-                while chunk := f.read(UPLOAD_CHUNK_BYTES):
-                    conn.send(chunk)
-                    if bar is not None:
-                        bar.update(len(chunk))
-        except OSError as e:  # the server may answer (413, 401) before taking all the bytes
-            sent_error: OSError | None = e
-        else:
-            sent_error = None
-        try:
-            response = conn.getresponse()
-            raw = response.read()
-        except (OSError, http.client.HTTPException) as e:
-            cause = sent_error or e
-            raise CliError(f"cannot push to {server}: {cause or type(cause).__name__}") from e
-    finally:
-        if bar is not None:
-            bar.close()
-        conn.close()
-    try:
-        return response.status, json.loads(raw) if raw else None
-    except ValueError:
-        raise CliError(
-            f"HTTP {response.status} from {server}, and the answer is not JSON "
-            "(is it a control plane?)"
-        ) from None
 
 
 @cli.command()
@@ -524,7 +467,7 @@ def push(
     if info["signature"] is None:
         raise CliError(f"{bundle}: not signed; sign it first with `mcp-bundle sign --key ...`")
     show = sys.stderr.isatty() if progress is None else progress
-    status, answer = _upload(server, token, bundle, timeout=timeout, progress=show)
+    status, answer = upload_bundle(server, token, bundle, timeout=timeout, progress=show)
     if status >= 400:
         message = answer.get("error") if isinstance(answer, dict) else None
         raise CliError(f"{bundle}: {message or 'push failed'} (HTTP {status})")
