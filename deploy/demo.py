@@ -24,10 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +41,7 @@ from tests.support.mosquitto import (  # noqa: E402
     find_executable,
     free_loopback_port,
 )
+from tests.support.processes import Client, http_json  # noqa: E402
 
 HOST = "127.0.0.1"
 DEVICES = ("cam-1", "cam-2")
@@ -78,19 +76,6 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
-def _http(url: str, *, body: bytes | None = None, token: str | None = None) -> tuple[int, Any]:
-    """GET (or POST `body` as JSON) and decode the JSON answer; raises OSError when unreachable."""
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(url, data=body, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=10) as answer:
-            return answer.status, json.loads(answer.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, None
-
-
 def _short(arg: str) -> str:
     """A path argument relative to the current directory when it lies below it."""
     prefix, path = ("@", arg[1:]) if arg.startswith("@/") else ("", arg)
@@ -98,28 +83,6 @@ def _short(arg: str) -> str:
         return arg
     relative = os.path.relpath(path)
     return prefix + (path if relative.startswith("..") else relative)
-
-
-class Client(threading.Thread):
-    """Sends the same inference request back to back; counts answers by version and failures."""
-
-    def __init__(self, url: str, body: bytes) -> None:
-        super().__init__(daemon=True)
-        self.url, self.body = url, body
-        self.versions: list[str] = []
-        self.failures: list[str] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                status, answer = _http(self.url, body=self.body)
-                if status != 200:
-                    self.failures.append(f"HTTP {status}")
-                else:
-                    self.versions.append(answer["model_version"])
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                self.failures.append(repr(e))
 
 
 class Demo:
@@ -219,7 +182,7 @@ class Demo:
             raise DemoError(what)
 
     def api(self, path: str) -> Any:
-        status, body = _http(self.cp_url + path, token=self.token)
+        status, body = http_json(self.cp_url + path, token=self.token)
         if status != 200:
             raise DemoError(f"GET {path} answered HTTP {status}; "
                             f"read {self.logs / 'controlplane.log'}")
@@ -303,7 +266,7 @@ class Demo:
                                     "--data-dir", str(data), "--listen", f"{HOST}:{port}"],
                    show=["mcp-controlplane", "serve", "--data-dir", str(data)])
         self.wait_for("the control plane answering /healthz",
-                      lambda: _http(self.cp_url + "/healthz")[0] == 200, 60,
+                      lambda: http_json(self.cp_url + "/healthz")[0] == 200, 60,
                       self.logs / "controlplane.log")
 
     def publish(self) -> None:
@@ -370,7 +333,7 @@ class Demo:
             url = f"http://{HOST}:{self.agent_ports[name]}/v2/models/{MODEL}/infer"
 
             def serving(url: str = url) -> bool:
-                return bool(_http(url, body=body)[1]["model_version"] == "1.0.0")
+                return bool(http_json(url, body=body)[1]["model_version"] == "1.0.0")
             self.wait_for(f"{name} serving {MODEL} 1.0.0", serving, 120,
                           self.logs / f"{name}.log")
         self.step("Ask each agent over HTTP (Open Inference Protocol)")
@@ -378,7 +341,7 @@ class Demo:
             url = f"http://{HOST}:{self.agent_ports[name]}/v2/models/{MODEL}/infer"
             self._show("curl", ["-s", "-H", "Content-Type: application/json", "-d",
                                 "@" + str(self.work / "model/request.json"), url])
-            status, answer = _http(url, body=body)
+            status, answer = http_json(url, body=body)
             self.check(status == 200 and answer["model_version"] == "1.0.0",
                        f"{name} did not answer with {MODEL} 1.0.0 (HTTP {status}); "
                        f"read {self.logs / (name + '.log')}")

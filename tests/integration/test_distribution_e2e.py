@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from tests.support.processes import (
     BUNDLE,
     CONTROLPLANE,
     REPO,
+    Client,
     free_port,
     stopped_at_exit,
     wait_until,
@@ -62,28 +62,6 @@ def _status(url: str) -> int:
 def processes() -> Iterator[list[subprocess.Popen[str]]]:
     with stopped_at_exit() as procs:
         yield procs
-
-
-class Client(threading.Thread):
-    """Sends digits requests back to back over HTTP; records every answer's version or error."""
-
-    def __init__(self, url: str, body: bytes) -> None:
-        super().__init__(daemon=True)
-        self.url, self.body = url, body
-        self.versions: list[str] = []
-        self.failures: list[str] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            req = urllib.request.Request(
-                self.url, data=self.body, headers={"Content-Type": "application/json"}
-            )
-            try:
-                with urllib.request.urlopen(req, timeout=10) as r:
-                    self.versions.append(json.loads(r.read())["model_version"])
-            except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
-                self.failures.append(repr(e))
 
 
 def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(

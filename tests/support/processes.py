@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,3 +53,38 @@ def stopped_at_exit() -> Iterator[list[subprocess.Popen[str]]]:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait(timeout=10)
+
+
+def http_json(url: str, *, body: bytes | None = None, token: str | None = None) -> tuple[int, Any]:
+    """GET (or POST `body` as JSON) and decode the JSON answer; raises OSError when unreachable."""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, json.loads(answer.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+class Client(threading.Thread):
+    """Sends the same inference request back to back; counts answers by version and failures."""
+
+    def __init__(self, url: str, body: bytes) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body = url, body
+        self.versions: list[str] = []
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                status, answer = http_json(self.url, body=self.body)
+                if status != 200:
+                    self.failures.append(f"HTTP {status}")
+                else:
+                    self.versions.append(answer["model_version"])
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self.failures.append(repr(e))
