@@ -19,8 +19,9 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     timestamp_refresh_s = 3600                  # how often serve re-checks TUF timestamp expiry
     max_bundle_bytes = 2147483648               # cap on one uploaded .mcpb (POST /api/v1/bundles)
     desired_ttl_s = 604800                      # lifetime of a signed desired state (re-signed at half)
+    repository_http = true                      # false: /repo/... answers 403 (MQTT only)
 
-Environment: also ``MCP_TIMESTAMP_REFRESH_S`` and ``MCP_MAX_BUNDLE_BYTES``.
+Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES`` and ``MCP_REPOSITORY_HTTP``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class Settings:
     broker_admin_password_file: Path | None = None
     telemetry_retention_days: int = 7
     timestamp_refresh_s: float = 3600.0
+    repository_http: bool = True
+    """Serve the TUF repository at ``/repo/...`` without authentication (its content is signed
+    and hashed, not secret-keeping); False keeps model bytes to the devices' MQTT accounts."""
     max_bundle_bytes: int = 2 << 30
     desired_ttl_s: float = 7 * 86400.0
 
@@ -218,6 +222,13 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             if cap < 1024:
                 raise ValueError("max_bundle_bytes must be at least 1024")
             changes["max_bundle_bytes"] = cap
+        if values.get("repository_http") is not None:
+            flag = values["repository_http"]
+            if isinstance(flag, str) and flag.lower() in ("true", "false", "1", "0"):
+                flag = flag.lower() in ("true", "1")
+            if not isinstance(flag, bool):
+                raise ValueError("repository_http must be true or false")
+            changes["repository_http"] = flag
         if values.get("desired_ttl_s") is not None:
             ttl = float(values["desired_ttl_s"])
             if not 600.0 <= ttl <= 365 * 86400.0:
@@ -248,6 +259,7 @@ def load_settings(
         "broker_urls": env.get("MCP_BROKER_URLS"),
         "timestamp_refresh_s": env.get("MCP_TIMESTAMP_REFRESH_S") or None,
         "max_bundle_bytes": env.get("MCP_MAX_BUNDLE_BYTES") or None,
+        "repository_http": env.get("MCP_REPOSITORY_HTTP") or None,
     }
     settings = _apply(settings, from_env, "environment")
     return _apply(settings, overrides or {}, "command line")
@@ -286,6 +298,7 @@ def write_config_file(settings: Settings) -> Path:
     values["telemetry_retention_days"] = settings.telemetry_retention_days
     values["timestamp_refresh_s"] = settings.timestamp_refresh_s
     values["max_bundle_bytes"] = settings.max_bundle_bytes
+    values["repository_http"] = settings.repository_http
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
         f"{k} = {_toml_value(v)}\n" for k, v in values.items()
     )

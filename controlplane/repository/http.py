@@ -49,6 +49,13 @@ def resolve_repo_file(root: Path, relative: str) -> Path | None:
 
 
 async def _serve(request: web.Request, relative: str) -> web.StreamResponse:
+    service = request.app[REPOSITORY]
+    if not service.settings.repository_http:
+        return error_response(
+            ErrorCode.FORBIDDEN,
+            "the HTTP repository is off on this control plane (repository_http = false); "
+            "devices fetch models over MQTT",
+        )
     try:
         validate_repo_path(relative)
     except MessageError as e:

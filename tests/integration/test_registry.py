@@ -428,6 +428,15 @@ async def test_repo_routes_serve_only_repository_files(cp: ControlPlane, tmp_pat
         assert status == 404 and "error" in json.loads(body), path
 
 
+async def test_the_http_repository_can_be_switched_off(make_cp: MakeControlPlane) -> None:
+    cp = await make_cp(repository_http=False)
+    async with cp.client.get("/repo/metadata/root.json") as response:
+        assert response.status == 403
+        assert "repository_http = false" in (await response.json())["error"]
+    status, repo = await cp.call("GET", "/api/v1/repository")  # the repository itself is there
+    assert status == 200 and {r["role"] for r in repo["roles"]} >= {"root", "timestamp"}
+
+
 # ---------------------------------------------------------------------------- keys and trust
 async def test_root_rotation_is_followed_by_a_client_that_trusted_the_old_root(
     cp: ControlPlane, bundles: Bundles, tmp_path: Path
@@ -514,6 +523,12 @@ def test_repository_settings_come_from_the_config_file_and_environment(tmp_path:
         load_settings(tmp_path, environ={"MCP_TIMESTAMP_REFRESH_S": "0"})
     with pytest.raises(SettingsError, match="max_bundle_bytes"):
         load_settings(tmp_path, environ={"MCP_MAX_BUNDLE_BYTES": "ten"})
+    assert load_settings(tmp_path, environ={}).repository_http is True
+    assert load_settings(tmp_path, environ={"MCP_REPOSITORY_HTTP": "false"}).repository_http is False
+    (tmp_path / "controlplane.toml").write_text("repository_http = false\n")
+    assert load_settings(tmp_path, environ={}).repository_http is False
+    with pytest.raises(SettingsError, match="repository_http"):
+        load_settings(tmp_path, environ={"MCP_REPOSITORY_HTTP": "maybe"})
 
 
 # ---------------------------------------------------------------------------- command line
