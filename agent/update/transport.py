@@ -18,11 +18,15 @@ Errors (all from ``tuf.api.exceptions``, so ngclient handles them as it does for
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from tuf.ngclient import FetcherInterface
+
+log = logging.getLogger("mcp.agent.update")
 
 Progress = Callable[[int, int], None]
 """Called with ``(bytes_done, bytes_total)`` as a download advances."""
@@ -56,3 +60,26 @@ class RepoTransport(Protocol):
         transfers only the rest). Does not check hashes: the caller verifies against TUF.
         """
         ...
+
+
+def open_partial(dest: Path, length: int) -> tuple[int, int]:
+    """Open (or create) the partial download ``dest``; return ``(fd, bytes already there)``.
+
+    A partial file longer than ``length`` cannot be a prefix of the target: it is emptied and
+    the download starts over. Raises ValueError for a negative ``length``, OSError from the
+    file system. The caller closes the descriptor.
+    """
+    if length < 0:
+        raise ValueError("length must not be negative")
+    fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        start = os.fstat(fd).st_size
+        if start > length:
+            log.warning("partial %s is longer than the %d bytes allowed; starting over",
+                        dest, length)
+            os.ftruncate(fd, 0)
+            start = 0
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, start

@@ -38,7 +38,7 @@ from tuf.ngclient.fetcher import FetcherInterface
 from tuf.ngclient.urllib3_fetcher import Urllib3Fetcher
 
 from agent import __version__
-from agent.update.transport import Progress
+from agent.update.transport import Progress, open_partial
 
 log = logging.getLogger("mcp.agent.update.http")
 
@@ -89,17 +89,9 @@ class HttpRepoTransport:
         self, url: str, dest: Path, *, length: int, progress: Progress | None = None
     ) -> int:
         """See :meth:`agent.update.transport.RepoTransport.download`."""
-        if length < 0:
-            raise ValueError("length must not be negative")
         deadline = time.monotonic() + self._total_timeout_s
-        fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd, start = open_partial(dest, length)
         try:
-            start = os.fstat(fd).st_size
-            if start > length:
-                log.warning("partial %s is longer than the %d bytes allowed; starting over",
-                            dest, length)
-                os.ftruncate(fd, 0)
-                start = 0
             try:
                 return self._download(fd, url, start, length, deadline, progress)
             finally:

@@ -55,7 +55,7 @@ from tuf.api.exceptions import (
 from tuf.ngclient.fetcher import FetcherInterface
 
 from agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
-from agent.update.transport import Progress
+from agent.update.transport import Progress, open_partial
 from shared.errors import MessageError
 from shared.protocol import topics
 from shared.protocol.repo import (
@@ -159,17 +159,9 @@ class MqttRepoTransport:
     ) -> int:
         """See :meth:`agent.update.transport.RepoTransport.download`."""
         path = self.path_of(url)
-        if length < 0:
-            raise ValueError("length must not be negative")
         deadline = time.monotonic() + self.config.total_timeout_s
-        fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd, start = open_partial(dest, length)
         try:
-            start = os.fstat(fd).st_size
-            if start > length:
-                log.warning("partial %s is longer than the %d bytes allowed; starting over",
-                            dest, length)
-                os.ftruncate(fd, 0)
-                start = 0
             future = self._run_on_loop(
                 self._download(fd, path, start, length, deadline, progress))
         except BaseException:
