@@ -214,6 +214,16 @@ class ModelManager:
             raise ModelNotFoundError(f"model {name!r} is not loaded")
         return slot
 
+    def set_canary_weight(self, name: str, weight: float, max_error_rate: float) -> bool:
+        """Change the share and error budget of ``name``'s canary (one taken out of rotation
+        stays out); False when the model has no canary."""
+        slot = self._slots.get(name)
+        if slot is None or slot.canary is None:
+            return False
+        slot.canary.weight, slot.canary.max_error_rate = weight, max_error_rate
+        self.metrics.canary_weight.labels(name).set(weight)
+        return True
+
     def get(self, name: str, version: str | None = None) -> LoadedVersion:
         slot = self.slot(name)
         v = slot.stable if version is None else version

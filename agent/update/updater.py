@@ -312,12 +312,7 @@ class UpdateAgent:
         return result
 
     def _set_canary_weight(self, name: str, weight: float, max_error_rate: float) -> None:
-        try:
-            canary = self.manager.slot(name).canary
-        except RunnerError:
-            return
-        if canary is not None:
-            canary.weight, canary.max_error_rate = weight, max_error_rate
+        self.manager.set_canary_weight(name, weight, max_error_rate)
         index = self.store.index(name)
         if index.canary is not None:
             ref = index.canary.model_copy(update={"weight": weight, "max_error_rate": max_error_rate})

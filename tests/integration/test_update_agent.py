@@ -274,7 +274,7 @@ async def test_the_same_bundle_offered_twice_is_a_no_op(env: Env) -> None:
 
 
 async def test_canary_beside_stable_then_removed(env: Env) -> None:
-    agent, manager, _ = await installed_v1(env)
+    agent, manager, sink = await installed_v1(env)
     v1 = agent.store.installed("digits", "1.0.0")
     assert v1 is not None
     stable = TargetRef(version="1.0.0", target_path=v1.target_path, sha256=v1.sha256,
@@ -286,7 +286,15 @@ async def test_canary_beside_stable_then_removed(env: Env) -> None:
     assert (await answer(manager, env.digits))[0] == "1.1.0"
     assert agent.store.index("digits").canary is not None
 
-    await agent.handle_desired(env.desired(3, stable))
+    # the same canary with a weight of 0: no download, every answer from stable
+    before = len(sink.events)
+    await agent.handle_desired(env.repo.desired(3, [DesiredModel(
+        name="digits", stable=stable, canary=CanarySpec(target=canary.target, weight=0.0))]))
+    assert len(sink.events) == before
+    assert {(await answer(manager, env.digits))[0] for _ in range(20)} == {"1.0.0"}
+    assert agent.store.index("digits").canary.weight == 0.0
+
+    await agent.handle_desired(env.desired(4, stable))
     assert (await answer(manager, env.digits))[0] == "1.0.0"
     assert agent.store.index("digits").canary is None
 
