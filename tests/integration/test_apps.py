@@ -18,10 +18,10 @@ from typing import Any
 
 import paho.mqtt.client as mqtt
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 from click.testing import CliRunner, Result
 
-from controlplane.app import UnconfiguredProvisioner, create_app
+from controlplane.app import UnconfiguredProvisioner
 from controlplane.bootstrap import initialize
 from controlplane.broker.base import BrokerProvisioner, Credentials
 from controlplane.broker.dynsec import DynsecProvisioner
@@ -32,14 +32,15 @@ from shared.protocol.topics import FleetInferTopic
 from shared.signing import PrivateKey
 from tests.integration.conftest import MqttProbe, ProbeFactory
 from tests.support.controlplane import (
+    ADMIN_PASSWORD,
     ControlPlane,
     FakeClock,
     FakeProvisioner,
     served,
+    start_control_plane,
 )
 from tests.support.mosquitto import DynsecMosquittoBroker
 
-ADMIN_PASSWORD = "correct horse battery"
 BROKER_URL = "mqtt://broker.test:1883"
 NOT_AUTHORIZED = "Not authorized"
 
@@ -60,16 +61,9 @@ async def make_cp(database_url: str, tmp_path: Path) -> AsyncIterator[MakeContro
             data_dir=tmp_path / "cp", database_url=database_url,
             password_cost=PasswordCost.MIN, broker_urls=broker_urls,
         )
-        clock = FakeClock()
-        result = await initialize(
-            settings, clock=clock, admin_user="admin", admin_password=ADMIN_PASSWORD
-        )
-        assert result.api_token is not None
-        chosen = provisioner if provisioner is not None else FakeProvisioner()
-        client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings, chosen, clock)))
-        await client.start_server()
-        clients.append(client)
-        return ControlPlane(client, chosen, clock, result.api_token, settings)  # type: ignore[arg-type]
+        cp = await start_control_plane(settings, FakeClock(), provisioner)
+        clients.append(cp.client)
+        return cp
 
     yield make
     for client in clients:

@@ -13,23 +13,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient
 
-from controlplane.app import create_app
-from controlplane.bootstrap import initialize
 from controlplane.db import Database
 from controlplane.db.migrate import head_revision, schema_differences
 from controlplane.settings import EnrollmentApproval, PasswordCost, Settings
 from shared.protocol.enrollment import nonce_retention
 from shared.signing import PrivateKey
 from tests.support.controlplane import (
+    ADMIN_PASSWORD,
     ControlPlane,
     FakeClock,
-    FakeProvisioner,
     envelope,
+    start_control_plane,
 )
 
-ADMIN_PASSWORD = "correct horse battery"
 BROKER_URL = "mqtt://broker.test:1883"
 
 
@@ -48,18 +46,9 @@ async def make_cp(database_url: str, tmp_path: Path) -> AsyncIterator[MakeContro
             broker_urls=(BROKER_URL,),
             **overrides,
         )
-        clock = FakeClock()
-        result = await initialize(
-            settings, clock=clock, admin_user="admin", admin_password=ADMIN_PASSWORD
-        )
-        assert result.api_token is not None
-        provisioner = FakeProvisioner()
-        client: TestClient[Any, Any] = TestClient(
-            TestServer(create_app(settings, provisioner, clock))
-        )
-        await client.start_server()
-        clients.append(client)
-        return ControlPlane(client, provisioner, clock, result.api_token, settings)
+        cp = await start_control_plane(settings, FakeClock())
+        clients.append(cp.client)
+        return cp
 
     yield make
     for client in clients:

@@ -33,14 +33,15 @@ from shared.bundle import build_bundle, sign_bundle
 from shared.bundle_cli import cli as bundle_cli
 from shared.signing import PrivateKey, write_public_key
 from tests.support.controlplane import (
+    ADMIN_PASSWORD,
     ControlPlane,
     FakeClock,
     FakeProvisioner,
     served,
+    start_control_plane,
 )
 from tests.support.models import DigitsModels
 
-ADMIN_PASSWORD = "correct horse battery"
 TARGET = "digits/1.0.0/digits-1.0.0.mcpb"
 
 
@@ -103,18 +104,9 @@ async def make_cp(database_url: str, tmp_path: Path) -> AsyncIterator[MakeContro
             password_cost=PasswordCost.MIN,
             **overrides,
         )
-        clock = FakeClock(datetime.now(timezone.utc).replace(microsecond=0))
-        result = await initialize(
-            settings, clock=clock, admin_user="admin", admin_password=ADMIN_PASSWORD
-        )
-        assert result.api_token is not None
-        provisioner = FakeProvisioner()
-        client: TestClient[Any, Any] = TestClient(
-            TestServer(create_app(settings, provisioner, clock))
-        )
-        await client.start_server()
-        clients.append(client)
-        return ControlPlane(client, provisioner, clock, result.api_token, settings)
+        cp = await start_control_plane(settings, FakeClock(datetime.now(timezone.utc).replace(microsecond=0)))
+        clients.append(cp.client)
+        return cp
 
     yield make
     for client in clients:

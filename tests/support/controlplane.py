@@ -19,10 +19,11 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
-from aiohttp.test_utils import TestClient
+from aiohttp.test_utils import TestClient, TestServer
 from psycopg import sql
 
-from controlplane.app import serve
+from controlplane.app import create_app, serve
+from controlplane.bootstrap import initialize
 from controlplane.broker.base import BrokerAdminError, Credentials
 from controlplane.settings import Settings
 from shared.protocol.enrollment import EnrollmentRequest, new_nonce, sign_enrollment
@@ -187,6 +188,24 @@ class ControlPlane:
         )
         assert status == 201, answer
         return await self.login(username, password)
+
+
+ADMIN_PASSWORD = "correct horse battery"
+
+
+async def start_control_plane(
+    settings: Settings, clock: FakeClock, provisioner: Any = None
+) -> ControlPlane:
+    """Initialize ``settings``' data dir with an admin (:data:`ADMIN_PASSWORD`) and serve the
+    app on a test server; the caller closes ``.client``. The fake provisioner unless given."""
+    result = await initialize(
+        settings, clock=clock, admin_user="admin", admin_password=ADMIN_PASSWORD
+    )
+    assert result.api_token is not None
+    chosen = provisioner if provisioner is not None else FakeProvisioner()
+    client: TestClient[Any, Any] = TestClient(TestServer(create_app(settings, chosen, clock)))
+    await client.start_server()
+    return ControlPlane(client, chosen, clock, result.api_token, settings)
 
 
 def reset_postgres(url: str) -> str:
