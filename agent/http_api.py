@@ -23,7 +23,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import numpy as np
 import orjson
 from aiohttp import web
 
@@ -37,10 +36,11 @@ from agent.runtime.batcher import (
     Priority,
 )
 from agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
-from agent.runtime.runner import Array, InferenceError, InputError, TensorSpec
+from agent.runtime.runner import InferenceError, InputError
+from agent.tensor_io import decode_feeds, encode_response, output_names
 from shared.errors import MessageError
-from shared.protocol import ErrorCode, InferTensor, decode_infer_request
-from shared.protocol.inference import Datatype
+from shared.protocol import ErrorCode
+from shared.protocol.codec import loads
 
 log = logging.getLogger("mcp.agent.http")
 
@@ -48,7 +48,6 @@ MANAGER = web.AppKey("manager", ModelManager)
 METRICS = web.AppKey("metrics", AgentMetrics)
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 _JSON = "application/json"
-_ORJSON_NATIVE = frozenset("biuf") - {"f2"}
 
 
 class ApiError(Exception):
@@ -98,67 +97,6 @@ def classify(e: Exception) -> ApiError:
         return ApiError(ErrorCode.TOO_LARGE, "request body is too large")
     log.exception("unexpected error while handling a request")
     return ApiError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}")
-
-
-# ---------------------------------------------------------------------------- inputs / outputs
-def tensors_to_feeds(inputs: list[InferTensor], specs: tuple[TensorSpec, ...]) -> dict[str, Array]:
-    """Check request tensors against the model's inputs and turn them into arrays.
-
-    Raises :class:`InputError` (unknown, missing or duplicate name; wrong datatype or shape) or
-    :class:`MessageError` (data that does not fit its own shape/datatype).
-    """
-    by_name = {s.name: s for s in specs}
-    feeds: dict[str, Array] = {}
-    for t in inputs:
-        spec = by_name.get(t.name)
-        if spec is None:
-            raise InputError(f"unknown input {t.name!r}; the model takes {sorted(by_name)}")
-        if t.name in feeds:
-            raise InputError(f"input {t.name!r} given twice")
-        if t.datatype is not spec.datatype:
-            raise InputError(
-                f"input {t.name!r}: model expects {spec.datatype.value}, got {t.datatype.value}"
-            )
-        if len(t.shape) != len(spec.shape) or any(
-            d >= 0 and d != s for d, s in zip(spec.shape, t.shape, strict=False)
-        ):
-            raise InputError(
-                f"input {t.name!r}: shape {t.shape} does not fit the model's {list(spec.shape)}"
-            )
-        feeds[t.name] = t.to_numpy()
-    missing = by_name.keys() - feeds.keys()
-    if missing:
-        raise InputError(f"missing input(s) {sorted(missing)}")
-    return feeds
-
-
-def _tensor_json(name: str, arr: Array) -> dict[str, Any]:
-    dt = Datatype.from_numpy(arr.dtype)
-    flat = arr.reshape(-1)
-    data: Any = (
-        flat if arr.dtype.str[1:] in ("f4", "f8", "i8", "i4", "u1", "i1", "b1") else flat.tolist()
-    )
-    if dt is Datatype.BYTES:
-        data = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in flat]
-    return {"name": name, "datatype": dt.value, "shape": list(arr.shape), "data": data}
-
-
-def response_body(
-    lv: LoadedVersion, request_id: str | None, outputs: dict[str, Array], wanted: list[str] | None
-) -> dict[str, Any]:
-    if wanted is not None:
-        unknown = [n for n in wanted if n not in outputs]
-        if unknown:
-            raise InputError(f"unknown output(s) {unknown}; the model has {sorted(outputs)}")
-    names = wanted if wanted is not None else [s.name for s in lv.info.outputs]
-    body: dict[str, Any] = {
-        "model_name": lv.name,
-        "model_version": lv.version,
-        "outputs": [_tensor_json(n, np.ascontiguousarray(outputs[n])) for n in names],
-    }
-    if request_id is not None:
-        body["id"] = request_id
-    return body
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -255,9 +193,9 @@ class Handlers:
         self._active += 1
         try:
             body = await self._body(request, "v2")
-            req = decode_infer_request(body, max_bytes=self.max_body)
+            obj = loads(body, max_bytes=self.max_body)
             lv, pinned, priority, timeout = self._routing(request, model)
-            feeds = tensors_to_feeds(req.inputs, lv.info.inputs)
+            rid, feeds, wanted = decode_feeds(obj, lv.info.inputs)
             answered, outputs = await self.manager.infer(
                 lv,
                 feeds,
@@ -266,8 +204,11 @@ class Handlers:
                 timeout_s=timeout,
                 busy=self._active > 1,
             )
-            wanted = [o.name for o in req.outputs] if req.outputs else None
-            response = _json(response_body(answered, req.id, outputs, wanted))
+            names = output_names(outputs, wanted, answered.output_names)
+            response = web.Response(
+                body=encode_response(answered.name, answered.version, rid, outputs, names),
+                content_type=_JSON,
+            )
         except Exception as e:
             return self._failed(model, "v2", e)
         finally:

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 
@@ -39,6 +39,16 @@ class _CounterChild:
 
     def inc(self, amount: float = 1.0) -> None:
         self.value += amount
+
+
+class _GaugeChild(_CounterChild):
+    __slots__ = ()
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.value -= amount
+
+    def set(self, value: float) -> None:
+        self.value = value
 
 
 class LoopHistogram(Collector):
@@ -111,6 +121,60 @@ class LoopCounter(Collector):
 
     def describe(self) -> Iterator[Any]:
         yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+
+class LoopGauge(Collector):
+    """A gauge family mutated only on the event loop thread; unlabelled ones take inc/dec/set."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str] = (),
+        *,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name, self.documentation = name, documentation
+        self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], _GaugeChild] = {}
+        self._own = _GaugeChild()
+        if not self.labelnames:
+            self._children[()] = self._own
+        registry.register(self)
+
+    def labels(self, *values: str) -> _GaugeChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}")
+            child = self._children[values] = _GaugeChild()
+        return child
+
+    def remove(self, *values: str) -> None:
+        if values:
+            self._children.pop(values, None)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._own.value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._own.value -= amount
+
+    def set(self, value: float) -> None:
+        self._own.value = value
+
+    @property
+    def value(self) -> float:
+        return self._own.value
+
+    def collect(self) -> Iterator[Any]:
+        family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            family.add_metric(list(values), child.value)
+        yield family
+
+    def describe(self) -> Iterator[Any]:
+        yield GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
 
 def _le(bound: float) -> str:

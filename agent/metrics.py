@@ -17,7 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from agent.loop_metrics import LoopCounter, LoopHistogram
+from agent.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
 
 LATENCY_BUCKETS = (
     0.0002,
@@ -61,10 +61,10 @@ class AgentMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.active = Gauge(
+        self.active = LoopGauge(
             "mcp_agent_active_requests", "Inference requests being handled now.", registry=r
         )
-        self.queue_depth = Gauge(
+        self.queue_depth = LoopGauge(
             "mcp_agent_queue_depth",
             "Requests waiting in a model version's batch queue.",
             ["model", "version"],

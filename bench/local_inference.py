@@ -253,14 +253,14 @@ def _rss_mib(pid: int) -> float:
 
 
 def _batch_counters(port: int, model: str) -> dict[str, float]:
-    """``mcp_agent_batch_requests`` sum/count for ``model`` from /metrics (0s if absent)."""
+    """``mcp_agent_batch_size`` (rows per batch) sum/count for ``model`` from /metrics (0s if absent)."""
     status, text = http_request(port, "/metrics")
     found = {"sum": 0.0, "count": 0.0}
     if status != 200:
         return found
     for line in text.decode().splitlines():
         for key in found:
-            if line.startswith(f"mcp_agent_batch_requests_{key}{{") and f'model="{model}"' in line:
+            if line.startswith(f"mcp_agent_batch_size_{key}{{") and f'model="{model}"' in line:
                 found[key] = float(line.rsplit(" ", 1)[1])
     return found
 

@@ -28,16 +28,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from agent.fleet.metrics import FleetMetrics
 from agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
 from agent.fleet.telemetry import InferenceStatsCollector, Outcome
-from agent.http_api import ApiError, classify, response_body, tensors_to_feeds
+from agent.http_api import ApiError, classify
 from agent.runtime.batcher import Priority
 from agent.runtime.manager import LoadedVersion, ModelManager
+from agent.runtime.runner import Array
+from agent.tensor_io import decode_feeds, encode_response, output_names
 from shared.errors import MessageError, TopicError
-from shared.protocol import ErrorCode, ErrorReply, InferRequest, encode, loads, topics, validate
+from shared.protocol import ErrorCode, ErrorReply, InferRequest, encode, loads, topics
 
 log = logging.getLogger("mcp.agent.mqtt_inference")
 
@@ -207,10 +207,10 @@ class MqttInference:
         lv: LoadedVersion | None = None
         try:
             m.payload_bytes.labels("mqtt").observe(len(msg.payload))
-            req = self._decode(msg)
+            obj = self._parse(msg)
             opts = RequestOptions.from_message(msg)
             lv = self.manager.route(model, opts.version, opts.request_key)
-            feeds = tensors_to_feeds(req.inputs, lv.info.inputs)
+            rid, feeds, wanted = self._feeds(msg, obj, lv)
             answered, outputs = await self.manager.infer(
                 lv,
                 feeds,
@@ -218,11 +218,8 @@ class MqttInference:
                 priority=opts.priority,
                 timeout_s=opts.timeout_s,
             )
-            wanted = [o.name for o in req.outputs] if req.outputs else None
-            body = orjson.dumps(
-                response_body(answered, req.id, outputs, wanted),
-                option=orjson.OPT_SERIALIZE_NUMPY,
-            )
+            names = output_names(outputs, wanted, answered.output_names)
+            body = encode_response(answered.name, answered.version, rid, outputs, names)
         except Exception as e:
             err = classify(e)
             if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
@@ -244,8 +241,8 @@ class MqttInference:
             self.stats.record(answered.name, answered.version, elapsed, Outcome.OK)
         return body, None
 
-    def _decode(self, msg: InboundMessage) -> InferRequest:
-        """Size, JSON and schema checks, each counted as a bad message when it fails."""
+    def _parse(self, msg: InboundMessage) -> Any:
+        """Size and JSON checks, each counted as a bad message when it fails."""
         size = len(msg.payload)
         if size > self.max_request_bytes:
             self._drop_counted("too_large", msg.topic, f"{size} bytes")
@@ -258,8 +255,14 @@ class MqttInference:
         except MessageError:
             self._drop_counted("json", msg.topic, "not JSON")
             raise
+        return obj
+
+    def _feeds(
+        self, msg: InboundMessage, obj: Any, lv: LoadedVersion
+    ) -> tuple[str | None, dict[str, Array], list[str] | None]:
+        """Schema and signature checks; a schema failure is counted as a bad message."""
         try:
-            return validate(obj, InferRequest)
+            return decode_feeds(obj, lv.info.inputs)
         except MessageError as e:
             self._drop_counted("schema", msg.topic, str(e))
             raise

@@ -82,6 +82,11 @@ class LoadedVersion:
     load_s: float
     warmup_s: float
     inflight: int = 0
+    output_names: tuple[str, ...] = field(init=False)
+    """The model's outputs in signature order: what an answer holds unless told otherwise."""
+
+    def __post_init__(self) -> None:
+        self.output_names = tuple(s.name for s in self.runners[0].info.outputs)
 
     @property
     def name(self) -> str:
@@ -439,8 +444,12 @@ class ModelManager:
         current stable. Shadow copies are started here.
         """
         slot = self._slots.get(lv.name)
+        # LoadedVersion.infer inlined: this is every request's path, and each coroutine frame
+        # between the handler and the batch future costs a resume per request.
+        lv.inflight += 1
         try:
-            outputs = await lv.infer(feeds, priority, timeout_s, busy)
+            future = lv.batcher.submit(feeds, priority=priority, timeout_s=timeout_s, busy=busy)
+            outputs = future.result() if future.done() else await future
         except BatcherClosedError:
             if pinned:
                 raise ModelNotFoundError(f"{lv.name} {lv.version} was unloaded") from None
@@ -455,6 +464,8 @@ class ModelManager:
             stable = self.get(lv.name)
             log.warning("canary %s %s failed (%s); answered by stable", lv.name, lv.version, e)
             return stable, await stable.infer(feeds, priority, timeout_s)
+        finally:
+            lv.inflight -= 1
         if slot is not None:
             if self._is_canary(slot, lv):
                 self._record_canary(slot, failed=False)

@@ -1,0 +1,205 @@
+"""Open Inference Protocol bodies to model feeds and model outputs to answer bytes.
+
+Shared by the HTTP API and the MQTT inference topics. :func:`decode_feeds` turns a parsed
+request body into one array per model input. A body that plainly fits the model's signature
+(the common case: every input named once, the model's datatype, a fitting shape, numeric
+``data``) is converted straight from the parsed JSON; anything else goes through the full
+schema validation and :func:`tensors_to_feeds`, so every refusal and its message are those of
+the full path. The fast path never accepts what the full path refuses: ``tests/unit`` runs both
+on the same bodies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+from agent.runtime.runner import Array, InputError, TensorSpec
+from shared.protocol import InferTensor
+from shared.protocol.codec import validate
+from shared.protocol.inference import MAX_TENSOR_ELEMENTS, Datatype, InferRequest
+
+_REQUEST_KEYS = frozenset({"id", "parameters", "inputs"})
+_TENSOR_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
+_FLOAT_KINDS = frozenset("iuf")
+# orjson writes these numpy dtypes natively (OPT_SERIALIZE_NUMPY); others go through tolist().
+_ORJSON_NATIVE = frozenset({"f4", "f8", "i8", "i4", "u1", "i1", "b1"})
+_FLOAT_MAX = {
+    Datatype.FP16: float(np.finfo(np.float16).max),
+    Datatype.FP32: float(np.finfo(np.float32).max),
+    Datatype.FP64: math.inf,
+}
+
+
+def tensors_to_feeds(inputs: list[InferTensor], specs: tuple[TensorSpec, ...]) -> dict[str, Array]:
+    """Check request tensors against the model's inputs and turn them into arrays.
+
+    Raises :class:`InputError` (unknown, missing or duplicate name; wrong datatype or shape) or
+    :class:`MessageError` (data that does not fit its own shape/datatype).
+    """
+    by_name = {s.name: s for s in specs}
+    feeds: dict[str, Array] = {}
+    for t in inputs:
+        spec = by_name.get(t.name)
+        if spec is None:
+            raise InputError(f"unknown input {t.name!r}; the model takes {sorted(by_name)}")
+        if t.name in feeds:
+            raise InputError(f"input {t.name!r} given twice")
+        if t.datatype is not spec.datatype:
+            raise InputError(
+                f"input {t.name!r}: model expects {spec.datatype.value}, got {t.datatype.value}"
+            )
+        if len(t.shape) != len(spec.shape) or any(
+            d >= 0 and d != s for d, s in zip(spec.shape, t.shape, strict=False)
+        ):
+            raise InputError(
+                f"input {t.name!r}: shape {t.shape} does not fit the model's {list(spec.shape)}"
+            )
+        feeds[t.name] = t.to_numpy()
+    missing = by_name.keys() - feeds.keys()
+    if missing:
+        raise InputError(f"missing input(s) {sorted(missing)}")
+    return feeds
+
+
+def decode_feeds(
+    obj: Any, specs: tuple[TensorSpec, ...]
+) -> tuple[str | None, dict[str, Array], list[str] | None]:
+    """A parsed request body as (request id, feeds, requested output names or None).
+
+    Raises :class:`MessageError` (schema, data) or :class:`InputError` (signature) with the
+    full path's message.
+    """
+    fast = _fast_feeds(obj, specs)
+    if fast is not None:
+        return fast[0], fast[1], None
+    req = validate(obj, InferRequest)
+    feeds = tensors_to_feeds(req.inputs, specs)
+    wanted = [o.name for o in req.outputs] if req.outputs else None
+    return req.id, feeds, wanted
+
+
+def _fast_feeds(
+    obj: Any, specs: tuple[TensorSpec, ...]
+) -> tuple[str | None, dict[str, Array]] | None:
+    """The feeds of a body that plainly fits ``specs``; None means "use the full path"."""
+    if type(obj) is not dict or not obj.keys() <= _REQUEST_KEYS:
+        return None
+    inputs = obj.get("inputs")
+    if type(inputs) is not list or len(inputs) != len(specs):
+        return None
+    rid = obj.get("id")
+    if rid is not None and (type(rid) is not str or len(rid) > 256):
+        return None
+    params = obj.get("parameters")
+    if params is not None and type(params) is not dict:
+        return None
+    feeds: dict[str, Array] = {}
+    for t in inputs:
+        if type(t) is not dict or not t.keys() <= _TENSOR_KEYS:
+            return None
+        name = t.get("name")
+        if type(name) is not str or not 0 < len(name) <= 256 or name in feeds:
+            return None
+        spec = _spec_named(specs, name)
+        if spec is None or t.get("datatype") != spec.datatype.value:
+            return None
+        tparams = t.get("parameters")
+        shape = t.get("shape")
+        data = t.get("data")
+        if (tparams is not None and type(tparams) is not dict) or type(data) is not list:
+            return None
+        if type(shape) is not list or len(shape) != len(spec.shape) or len(shape) > 16:
+            return None
+        for d, s in zip(shape, spec.shape, strict=True):
+            if type(d) is not int or d < 0 or (s >= 0 and d != s):
+                return None
+        count = math.prod(shape)
+        if count > MAX_TENSOR_ELEMENTS:
+            return None
+        limit = _FLOAT_MAX.get(spec.datatype)
+        if limit is None:  # integers, BOOL, BYTES: the protocol model's own conversion
+            tensor = InferTensor.model_construct(
+                name=name, shape=shape, datatype=spec.datatype, parameters=tparams, data=data
+            )
+            feeds[name] = tensor.to_numpy()
+            continue
+        arr = _floats(data, count, limit)
+        if arr is None:
+            return None
+        feeds[name] = arr.astype(spec.datatype.numpy_dtype, copy=False).reshape(shape)
+    return rid, feeds
+
+
+def _spec_named(specs: tuple[TensorSpec, ...], name: str) -> TensorSpec | None:
+    for s in specs:
+        if s.name == name:
+            return s
+    return None
+
+
+def _floats(data: list[Any], count: int, limit: float) -> Array | None:
+    """``data`` as a float/int array of ``count`` values within ``limit``; None if unsure."""
+    try:
+        raw = np.array(data)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if raw.size != count or raw.dtype.kind not in _FLOAT_KINDS:
+        return None
+    if limit == math.inf or raw.size == 0:
+        return raw
+    if raw.dtype.kind == "f":
+        # Cheap bound first: every |x| <= sqrt(sum of squares) (JSON holds no NaN/Infinity).
+        squares = float(np.dot(raw.reshape(-1), raw.reshape(-1)))
+        if squares <= limit * limit:
+            return raw
+    if float(np.abs(raw).max()) > limit:
+        return None
+    return raw
+
+
+def encode_response(
+    model_name: str,
+    model_version: str,
+    request_id: str | None,
+    outputs: dict[str, Array],
+    names: Sequence[str],
+) -> bytes:
+    """The answer body (JSON bytes) holding ``names`` from ``outputs``."""
+    body: dict[str, Any] = {
+        "model_name": model_name,
+        "model_version": model_version,
+        "outputs": [_tensor_json(n, outputs[n]) for n in names],
+    }
+    if request_id is not None:
+        body["id"] = request_id
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def output_names(
+    outputs: dict[str, Array], wanted: list[str] | None, default: Sequence[str]
+) -> Sequence[str]:
+    """The outputs an answer holds: the requested ones (all must exist), else ``default``."""
+    if wanted is None:
+        return default
+    unknown = [n for n in wanted if n not in outputs]
+    if unknown:
+        raise InputError(f"unknown output(s) {unknown}; the model has {sorted(outputs)}")
+    return wanted
+
+
+def _tensor_json(name: str, arr: Array) -> dict[str, Any]:
+    dt = Datatype.from_numpy(arr.dtype)
+    code = arr.dtype.str
+    data: Any
+    if dt is Datatype.BYTES:
+        data = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in arr.flat]
+    elif code[0] in "<|=" and code[1:] in _ORJSON_NATIVE:
+        data = np.ascontiguousarray(arr).reshape(-1)
+    else:
+        data = arr.reshape(-1).tolist()
+    return {"name": name, "datatype": dt.value, "shape": list(arr.shape), "data": data}
