@@ -87,42 +87,47 @@ def _fast_feeds(
     obj: Any, specs: tuple[TensorSpec, ...]
 ) -> tuple[str | None, dict[str, Array]] | None:
     """The feeds of a body that plainly fits ``specs``; None means "use the full path"."""
-    if type(obj) is not dict or not obj.keys() <= _REQUEST_KEYS:
+    if type(obj) is not dict:
         return None
     inputs = obj.get("inputs")
     if type(inputs) is not list or len(inputs) != len(specs):
         return None
-    rid = obj.get("id")
-    if rid is not None and (type(rid) is not str or len(rid) > 256):
-        return None
-    params = obj.get("parameters")
-    if params is not None and type(params) is not dict:
-        return None
+    rid = None
+    if len(obj) > 1:  # id and parameters are optional; most bodies hold inputs alone
+        if not obj.keys() <= _REQUEST_KEYS:
+            return None
+        rid = obj.get("id")
+        if rid is not None and (type(rid) is not str or len(rid) > 256):
+            return None
+        params = obj.get("parameters")
+        if params is not None and type(params) is not dict:
+            return None
+    plan = _plan(specs)
     feeds: dict[str, Array] = {}
     for t in inputs:
         if type(t) is not dict or not t.keys() <= _TENSOR_KEYS:
             return None
         name = t.get("name")
-        if type(name) is not str or not 0 < len(name) <= 256 or name in feeds:
+        entry = plan.get(name) if type(name) is str else None
+        if entry is None or name in feeds:
             return None
-        spec = _spec_named(specs, name)
-        if spec is None or t.get("datatype") != spec.datatype.value:
-            return None
-        tparams = t.get("parameters")
+        spec, datatype, dims, dtype, limit = entry
         shape = t.get("shape")
         data = t.get("data")
-        if (tparams is not None and type(tparams) is not dict) or type(data) is not list:
+        if t.get("datatype") != datatype or type(data) is not list:
             return None
-        if type(shape) is not list or len(shape) != len(spec.shape) or len(shape) > 16:
+        if type(shape) is not list or len(shape) != len(dims):
             return None
-        for d, s in zip(shape, spec.shape, strict=True):
+        for d, s in zip(shape, dims, strict=True):
             if type(d) is not int or d < 0 or (s >= 0 and d != s):
                 return None
+        tparams = t.get("parameters")
+        if tparams is not None and type(tparams) is not dict:
+            return None
         count = math.prod(shape)
         if count > MAX_TENSOR_ELEMENTS:
             return None
-        limit = _FLOAT_MAX.get(spec.datatype)
-        if limit is None:  # integers, BOOL, BYTES: the protocol model's own conversion
+        if dtype is None:  # integers, BOOL, BYTES: the protocol model's own conversion
             tensor = InferTensor.model_construct(
                 name=name, shape=shape, datatype=spec.datatype, parameters=tparams, data=data
             )
@@ -131,15 +136,31 @@ def _fast_feeds(
         arr = _floats(data, count, limit)
         if arr is None:
             return None
-        feeds[name] = arr.astype(spec.datatype.numpy_dtype, copy=False).reshape(shape)
+        feeds[name] = arr.astype(dtype, copy=False).reshape(shape)
     return rid, feeds
 
 
-def _spec_named(specs: tuple[TensorSpec, ...], name: str) -> TensorSpec | None:
+_PlanEntry = tuple[TensorSpec, str, tuple[int, ...], "np.dtype[Any] | None", float]
+_PLANS: dict[int, tuple[tuple[TensorSpec, ...], dict[str, _PlanEntry]]] = {}
+
+
+def _plan(specs: tuple[TensorSpec, ...]) -> dict[str, _PlanEntry]:
+    """Per signature, by input name: what the fast path checks (computed once per model)."""
+    cached = _PLANS.get(id(specs))
+    if cached is not None and cached[0] is specs:
+        return cached[1]
+    plan: dict[str, _PlanEntry] = {}
     for s in specs:
-        if s.name == name:
-            return s
-    return None
+        # A request's tensor name is 1..256 characters and its shape at most 16 dims (the
+        # schema's bounds): a model input outside them never takes the fast path.
+        if 0 < len(s.name) <= 256 and len(s.shape) <= 16:
+            limit = _FLOAT_MAX.get(s.datatype)
+            dtype = None if limit is None else s.datatype.numpy_dtype
+            plan[s.name] = (s, s.datatype.value, s.shape, dtype, limit or 0.0)
+    if len(_PLANS) > 256:  # models come and go; keep the cache bounded
+        _PLANS.clear()
+    _PLANS[id(specs)] = (specs, plan)
+    return plan
 
 
 def _floats(data: list[Any], count: int, limit: float) -> Array | None:
@@ -150,14 +171,13 @@ def _floats(data: list[Any], count: int, limit: float) -> Array | None:
         return None
     if raw.size != count or raw.dtype.kind not in _FLOAT_KINDS:
         return None
-    if limit == math.inf or raw.size == 0:
+    if limit == math.inf or not count:
         return raw
-    if raw.dtype.kind == "f":
-        # Cheap bound first: every |x| <= sqrt(sum of squares) (JSON holds no NaN/Infinity).
-        squares = float(np.dot(raw.reshape(-1), raw.reshape(-1)))
-        if squares <= limit * limit:
-            return raw
-    if float(np.abs(raw).max()) > limit:
+    flat = raw if raw.ndim == 1 else raw.reshape(-1)
+    # Cheap bound first: every |x| <= sqrt(sum of squares) (JSON holds no NaN/Infinity).
+    if raw.dtype.kind == "f" and float(flat.dot(flat)) <= limit * limit:
+        return raw
+    if float(np.abs(flat).max()) > limit:
         return None
     return raw
 
@@ -193,13 +213,24 @@ def output_names(
 
 
 def _tensor_json(name: str, arr: Array) -> dict[str, Any]:
-    dt = Datatype.from_numpy(arr.dtype)
-    code = arr.dtype.str
+    kind = _ANSWER_KINDS.get(arr.dtype)
+    if kind is None:
+        kind = _ANSWER_KINDS[arr.dtype] = _answer_kind(arr.dtype)
+    datatype, native = kind
     data: Any
-    if dt is Datatype.BYTES:
+    if datatype == "BYTES":
         data = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in arr.flat]
-    elif code[0] in "<|=" and code[1:] in _ORJSON_NATIVE:
-        data = np.ascontiguousarray(arr).reshape(-1)
+    elif native:
+        data = arr.reshape(-1)  # C-contiguous either way: a view, or a copy when it was not
     else:
         data = arr.reshape(-1).tolist()
-    return {"name": name, "datatype": dt.value, "shape": list(arr.shape), "data": data}
+    return {"name": name, "datatype": datatype, "shape": list(arr.shape), "data": data}
+
+
+_ANSWER_KINDS: dict[np.dtype[Any], tuple[str, bool]] = {}
+
+
+def _answer_kind(dtype: np.dtype[Any]) -> tuple[str, bool]:
+    """(protocol datatype, whether orjson writes the array itself) for an output dtype."""
+    code = dtype.str
+    return Datatype.from_numpy(dtype).value, code[0] in "<|=" and code[1:] in _ORJSON_NATIVE
