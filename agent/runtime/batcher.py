@@ -213,13 +213,13 @@ class DynamicBatcher:
             raise OverloadedError(
                 f"queue full ({self._queued} requests waiting)", self._retry_after()
             )
-        rows, key = self._batch_key(feeds)
         loop = self._loop or self._bind_loop()
         inline = self._inline()
         if inline and not busy and not self._queued and not self._pump_soon:
             instance = self._pick_instance()
             if instance is not None and not self._another_this_tick(loop):
-                return self._run_alone(instance, feeds, rows, loop)  # answered now
+                return self._run_alone(instance, feeds, loop)  # answered now
+        rows, key = self._batch_key(feeds)
         future: asyncio.Future[dict[str, Array]] = loop.create_future()
         self._queues[priority].append(_Pending(feeds, rows, key, future, time.perf_counter()))
         self._queued += 1
@@ -243,10 +243,12 @@ class DynamicBatcher:
         self,
         instance: _Instance,
         feeds: dict[str, Array],
-        rows: int,
         loop: asyncio.AbstractEventLoop,
     ) -> asyncio.Future[dict[str, Array]]:
-        """A lone request on an inline model: run it now, with no queue entry (c1 latency)."""
+        """A lone request on an inline model: run it now, with no queue entry (c1 latency).
+
+        Nothing is stacked, so the batch key is not needed; the runner checks the feeds.
+        """
         future: asyncio.Future[dict[str, Array]] = loop.create_future()
         t0 = time.perf_counter()
         try:
@@ -260,6 +262,10 @@ class DynamicBatcher:
         avg = self._avg_batch_s
         self._avg_batch_s = run_s if avg is None else avg + 0.1 * (run_s - avg)
         if self._observer.on_batch is not None:
+            first = next(iter(feeds.values()), None)
+            rows = (
+                int(first.shape[0]) if self._batchable and first is not None and first.ndim else 1
+            )
             self._observer.on_batch(rows, 1, 0.0, run_s)
         return future
 
