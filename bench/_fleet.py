@@ -470,8 +470,13 @@ async def _ingest_main(args: argparse.Namespace) -> dict[str, Any]:
 def role_ingest(args: argparse.Namespace) -> None:
     import logging
 
+    from controlplane.cli import install_event_loop
+
     logging.basicConfig(level=logging.WARNING)
-    _emit(asyncio.run(_ingest_main(args)))
+    loop = install_event_loop()  # as `mcp-controlplane serve` runs
+    result = asyncio.run(_ingest_main(args))
+    result["event_loop"] = loop
+    _emit(result)
 
 
 def main(argv: list[str] | None = None) -> None:
