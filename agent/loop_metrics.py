@@ -163,10 +163,6 @@ class LoopGauge(Collector):
     def set(self, value: float) -> None:
         self._own.value = value
 
-    @property
-    def value(self) -> float:
-        return self._own.value
-
     def collect(self) -> Iterator[Any]:
         family = GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in list(self._children.items()):

@@ -223,8 +223,7 @@ class DynamicBatcher:
         future: asyncio.Future[dict[str, Array]] = loop.create_future()
         self._queues[priority].append(_Pending(feeds, rows, key, future, time.perf_counter()))
         self._queued += 1
-        if self._observer.on_queue_depth is not None:
-            self._observer.on_queue_depth(self._queued)
+        self._notify_depth()
         if inline:
             # Run at the end of this loop iteration, so the requests parsed in the same
             # iteration (a burst at high concurrency) share one backend call.
@@ -259,8 +258,7 @@ class DynamicBatcher:
         else:
             run_s = time.perf_counter() - t0
             future.set_result(out)
-        avg = self._avg_batch_s
-        self._avg_batch_s = run_s if avg is None else avg + 0.1 * (run_s - avg)
+        self._note_run(run_s)
         if self._observer.on_batch is not None:
             first = next(iter(feeds.values()), None)
             rows = (
@@ -268,6 +266,12 @@ class DynamicBatcher:
             )
             self._observer.on_batch(rows, 1, 0.0, run_s)
         return future
+
+    def _note_run(self, run_s: float) -> None:
+        # run_s is the backend's own time (measured on the thread that ran it), so the
+        # inline decision is not skewed by the thread hand-off.
+        avg = self._avg_batch_s
+        self._avg_batch_s = run_s if avg is None else avg + 0.1 * (run_s - avg)
 
     def _inline(self) -> bool:
         avg = self._avg_batch_s
@@ -440,10 +444,7 @@ class DynamicBatcher:
     def _finish(
         self, batch: list[_Pending], started: float, outcome: _Outcome, run_s: float
     ) -> None:
-        # run_s is the backend's own time (measured on the thread that ran it), so the
-        # inline decision is not skewed by the thread hand-off.
-        avg = self._avg_batch_s
-        self._avg_batch_s = run_s if avg is None else avg + 0.1 * (run_s - avg)
+        self._note_run(run_s)
         if isinstance(outcome, BaseException):
             err = _runner_error(outcome)
             for p in batch:

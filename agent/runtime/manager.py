@@ -81,7 +81,6 @@ class LoadedVersion:
     batcher: DynamicBatcher
     load_s: float
     warmup_s: float
-    inflight: int = 0
     output_names: tuple[str, ...] = field(init=False)
     """The model's outputs in signature order: what an answer holds unless told otherwise."""
 
@@ -107,13 +106,7 @@ class LoadedVersion:
         timeout_s: float | None,
         busy: bool = True,
     ) -> dict[str, Array]:
-        self.inflight += 1
-        try:
-            return await self.batcher.infer(
-                feeds, priority=priority, timeout_s=timeout_s, busy=busy
-            )
-        finally:
-            self.inflight -= 1
+        return await self.batcher.infer(feeds, priority=priority, timeout_s=timeout_s, busy=busy)
 
     async def close(self) -> None:
         await self.batcher.close(drain=True)
@@ -444,9 +437,8 @@ class ModelManager:
         current stable. Shadow copies are started here.
         """
         slot = self._slots.get(lv.name)
-        # LoadedVersion.infer inlined: this is every request's path, and each coroutine frame
-        # between the handler and the batch future costs a resume per request.
-        lv.inflight += 1
+        # The batch future is awaited here, not through LoadedVersion.infer: this is every
+        # request's path, and each coroutine frame in between costs a resume per request.
         try:
             future = lv.batcher.submit(feeds, priority=priority, timeout_s=timeout_s, busy=busy)
             outputs = future.result() if future.done() else await future
@@ -464,8 +456,6 @@ class ModelManager:
             stable = self.get(lv.name)
             log.warning("canary %s %s failed (%s); answered by stable", lv.name, lv.version, e)
             return stable, await stable.infer(feeds, priority, timeout_s)
-        finally:
-            lv.inflight -= 1
         if slot is not None:
             if self._is_canary(slot, lv):
                 self._record_canary(slot, failed=False)
