@@ -1,29 +1,36 @@
 """The control plane's MQTT 5 sessions: paho made async, for ingestion and repository serving.
 
-``async with MqttSubscriber(...)`` owns one session. paho's network loop runs in its own thread
-(``loop_start``); every event crosses to asyncio with ``call_soon_threadsafe``. paho reconnects
-a dropped session by itself (backoff 1-30 s) and :meth:`_on_connect` subscribes again to every
-filter each time, so the caller never handles reconnects. TCP_NODELAY is set on the socket as
-soon as it opens (DESIGN 8: Nagle costs tens of milliseconds per small packet).
+``async with MqttSubscriber(...)`` owns one session. paho runs on the event loop's thread: the
+loop watches the socket (``add_reader``/``add_writer`` call paho's ``loop_read``/``loop_write``)
+and a keeper task ticks ``loop_misc`` every second for keep-alive pings. No paho thread runs, so
+a message is handled, and its PUBACK queued, on the thread that read it; the acknowledgements
+of everything one read brought in go out in one write. Only the blocking TCP/TLS connect runs
+in the default executor. A dropped session is reconnected by the keeper (backoff 1-30 s with
+jitter) and :meth:`_on_connect` subscribes again to every filter each time, so the caller never
+handles reconnects. TCP_NODELAY is set on the socket as soon as it opens (DESIGN 8: Nagle
+costs tens of milliseconds per small packet).
 
 A handler receives ``(topic, payload)`` (``handler``) or, given ``on_message``, a whole
 :class:`ReceivedMessage` with the MQTT 5 properties a request/response service needs (response
-topic, correlation data, user properties, QoS). :meth:`MqttSubscriber.publish` sends and waits
-for the broker's PUBACK; :meth:`MqttSubscriber.publish_nowait` hands the message to paho and
-returns (for high-rate replies whose delivery the requester checks itself).
+topic, correlation data, user properties, QoS). Handlers run on the loop inside paho's read:
+they must not block; they may publish. :meth:`MqttSubscriber.publish` sends and waits for the
+broker's PUBACK; :meth:`MqttSubscriber.publish_nowait` hands the message to paho and returns
+(for high-rate replies whose delivery the requester checks itself). Use a session from the
+loop that started it.
 
 Errors: :class:`MqttError` for anything the broker or paho refuses at start, and for a publish
-while disconnected or refused by the broker; later losses are logged and healed by paho.
+while disconnected or refused by the broker; later losses are logged and healed by the keeper.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
+import random
 import socket
 import ssl
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from socket import IPPROTO_TCP, TCP_NODELAY
@@ -39,6 +46,11 @@ from controlplane.broker.base import Credentials
 from shared.errors import McpError
 
 log = logging.getLogger("mcp.controlplane.mqtt")
+
+KEEPER_TICK_S = 1.0
+"""How often the keeper runs paho's keep-alive and dead-connection check."""
+RECONNECT_DELAY_S = (1.0, 30.0)
+"""First and largest wait before reconnecting a dropped session (doubling, with jitter)."""
 
 MessageHandler = Callable[[str, bytes], None]
 """Called on the event loop's thread with ``(topic, payload)`` for each delivered message."""
@@ -127,30 +139,34 @@ class MqttSubscriber:
         self._keepalive_s = keepalive_s
         self._session_expiry_s = session_expiry_s
         self._timeout_s = timeout_s
-        self._client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=credentials.client_id, protocol=mqtt.MQTTv5
-        )
-        self._client.username_pw_set(credentials.username, credentials.password)
+        client = self._client = _BufferedClient(
+            CallbackAPIVersion.VERSION2, client_id=credentials.client_id, protocol=mqtt.MQTTv5,
+            reconnect_on_failure=False,
+        )  # fmt: skip
+        client.suppress_exceptions = True  # a failing callback is logged, never unwinds a read
+        client.username_pw_set(credentials.username, credentials.password)
         if address.tls:
-            self._client.tls_set_context(ssl.create_default_context())
-        self._client.connect_timeout = timeout_s
-        self._client.reconnect_delay_set(min_delay=1, max_delay=30)
-        self._client.max_inflight_messages_set(max_inflight)
-        self._client.on_socket_open = self._on_socket_open
-        self._client.on_connect = self._on_connect
-        self._client.on_subscribe = self._on_subscribe
-        self._client.on_disconnect = self._on_disconnect
-        self._client.on_message = self._on_message
-        self._client.on_publish = self._on_publish
+            client.tls_set_context(ssl.create_default_context())
+        client.connect_timeout = timeout_s
+        client.max_inflight_messages_set(max_inflight)
+        client.on_socket_open = self._on_socket_open
+        client.on_socket_close = lambda *_a: self._on_loop(self._unwatch)
+        client.on_socket_register_write = lambda *_a: self._on_loop(self._write_soon)
+        client.on_connect = self._on_connect
+        client.on_subscribe = self._on_subscribe
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbox: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = (
-            collections.deque()
-        )
-        self._drain_scheduled = False
+        self._loop_thread: int | None = None
+        self._fd: int | None = None  # the socket the loop watches; None while disconnected
+        self._writer = False  # watching for writability (the socket's send buffer was full)
+        self._write_scheduled = False
+        self._gone: asyncio.Event | None = None  # set while no socket is watched
         self._acks: dict[int, asyncio.Future[None]] = {}
-        self._waiting = 0  # publish() calls waiting for an acknowledgement (read by paho's thread)
         self._subscribed: asyncio.Future[None] | None = None
         self._subscribe_mid: int | None = None
+        self._keeper: asyncio.Task[None] | None = None
         self._closed = False
 
     @property
@@ -169,16 +185,18 @@ class MqttSubscriber:
 
         Raises MqttError: unreachable, login refused, a filter refused, or no answer in time.
         """
-        self._loop = asyncio.get_running_loop()
-        self._subscribed = self._loop.create_future()
+        loop = self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._gone = asyncio.Event()
+        self._gone.set()
+        self._subscribed = loop.create_future()
         props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = self._session_expiry_s
         try:
-            await asyncio.to_thread(
-                self._client.connect, self._address.host, self._address.port,
-                self._keepalive_s, clean_start=False, properties=props,
-            )
-            self._client.loop_start()
+            await loop.run_in_executor(None, lambda: self._client.connect(
+                self._address.host, self._address.port, self._keepalive_s,
+                clean_start=False, properties=props,
+            ))  # fmt: skip
             await asyncio.wait_for(self._subscribed, self._timeout_s)
         except asyncio.TimeoutError as e:  # before OSError: on 3.11+ it is one
             await self.close()
@@ -190,36 +208,131 @@ class MqttSubscriber:
         except BaseException:
             await self.close()
             raise
+        self._keeper = loop.create_task(self._keep(), name=f"mqtt-{self._name}")
 
     async def close(self) -> None:
-        """Disconnect and stop paho's thread. Safe to call twice."""
+        """End the session (DISCONNECT, session expiry 0) and close the socket. Safe twice."""
         if self._closed:
             return
         self._closed = True
-        props = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
-        props.SessionExpiryInterval = 0
-        self._client.disconnect(properties=props)
-        await asyncio.to_thread(self._client.loop_stop)
+        if self._keeper is not None:
+            self._keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._keeper
+        if self._gone is None:  # never started
+            return
+        if self._fd is not None:
+            props = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
+            props.SessionExpiryInterval = 0
+            self._client.disconnect(properties=props)  # paho closes the socket once it is sent
+            self._flush()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._gone.wait(), self._timeout_s)
+        sock = self._client.socket()
+        self._unwatch()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
 
-    # ---- paho callbacks (paho's thread) ----------------------------------------------------
+    async def _keep(self) -> None:
+        """Keep-alive pings while connected; reconnect with backoff while not."""
+        assert self._loop is not None and self._gone is not None
+        delay = RECONNECT_DELAY_S[0]
+        while True:
+            if self._fd is not None:
+                await asyncio.sleep(KEEPER_TICK_S)
+                self._client.loop_misc()  # pings; drops a connection with no PINGRESP in time
+                self._flush()
+                delay = RECONNECT_DELAY_S[0]
+                continue
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, RECONNECT_DELAY_S[1])
+            try:
+                await self._loop.run_in_executor(None, self._client.reconnect)
+            except (OSError, ValueError) as e:
+                log.warning("%s session: cannot reach the broker at %s (%s); retrying",
+                            self._name, self.where, e)
+
+    # ---- paho wiring: every callback runs on the loop's thread, except the ones the
+    # ---- executor's connect makes (socket open, first write), which cross with _on_loop.
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = self._loop
+        if threading.get_ident() == self._loop_thread:
+            fn(*args)
+        elif loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed after the check
+                loop.call_soon_threadsafe(fn, *args)
 
     def _on_socket_open(self, _client: mqtt.Client, _userdata: Any, sock: Any) -> None:
         if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(IPPROTO_TCP, TCP_NODELAY, 1)
+        self._on_loop(self._watch, sock.fileno())
+
+    def _watch(self, fd: int) -> None:
+        assert self._loop is not None and self._gone is not None
+        if self._closed:  # a connect that finished after close(): close() closes its socket
+            return
+        self._fd = fd
+        self._gone.clear()
+        self._loop.add_reader(fd, self._readable)
+        self._write_soon()
+
+    def _unwatch(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(fd)
+            if self._writer:
+                self._loop.remove_writer(fd)
+        self._writer = False
+        if self._gone is not None:
+            self._gone.set()
+
+    def _write_soon(self) -> None:
+        """paho queued a packet: write it this loop turn, with whatever else is queued by then
+        (no writability watch, two epoll_ctl calls, per packet)."""
+        if not self._write_scheduled and self._loop is not None:
+            self._write_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _readable(self) -> None:
+        client = self._client
+        client.loop_read()
+        while client.buffered:  # whole packets paho has not taken yet: no readiness event comes
+            if client.loop_read() != mqtt.MQTT_ERR_SUCCESS:
+                break
+        # One write for everything the read produced: PUBACKs, replies the handlers published.
+        self._flush()
+
+    def _flush(self) -> None:
+        """Write what paho has queued; watch for writability only while the socket is full."""
+        self._write_scheduled = False
+        fd, loop = self._fd, self._loop
+        if fd is None or loop is None:
+            return
+        if self._client.want_write():
+            self._client.loop_write()
+        full = self._fd is not None and self._client.want_write()
+        if full != self._writer:
+            self._writer = full
+            if full:
+                loop.add_writer(fd, self._flush)
+            else:
+                loop.remove_writer(fd)
 
     def _on_connect(
         self, client: mqtt.Client, _u: Any, _flags: Any, reason: ReasonCode, _p: Any
     ) -> None:
         if reason.is_failure:
-            self._post(self._fail, f"the broker at {self.where} refused the login: {reason}")
+            self._fail(f"the broker at {self.where} refused the login: {reason}")
             return
         if not self._filters:  # a publish-only session
-            self._post(self._ready)
+            self._ready()
             return
         # Every (re)connect: subscribe again, once per filter, in one SUBSCRIBE packet.
         rc, self._subscribe_mid = client.subscribe([(f, 1) for f in self._filters])
         if rc != mqtt.MQTT_ERR_SUCCESS:
-            self._post(self._fail, f"cannot subscribe: {mqtt.error_string(rc)}")
+            self._fail(f"cannot subscribe: {mqtt.error_string(rc)}")
 
     def _on_subscribe(
         self, _c: mqtt.Client, _u: Any, mid: int, reasons: list[ReasonCode], _p: Any
@@ -228,72 +341,51 @@ class MqttSubscriber:
             return
         refused = [f for f, r in zip(self._filters, reasons, strict=False) if r.is_failure]
         if refused:
-            self._post(self._fail, f"the broker refused the subscription(s) {refused}")
+            self._fail(f"the broker refused the subscription(s) {refused}")
         else:
-            self._post(self._ready)
+            self._ready()
 
     def _on_disconnect(
         self, _c: mqtt.Client, _u: Any, _flags: Any, reason: ReasonCode, _p: Any
     ) -> None:
         if not self._closed:
-            self._post(log.warning, "%s session to %s lost (%s); paho reconnects",
-                       self._name, self.where, reason)
+            log.warning("%s session to %s lost (%s); reconnecting", self._name, self.where,
+                        reason)
 
     def _on_message(self, _c: mqtt.Client, _u: Any, message: mqtt.MQTTMessage) -> None:
-        if self._handler is not None:
-            self._post(self._handler, message.topic, message.payload)
-            return
-        props = getattr(message, "properties", None)
-        correlation = getattr(props, "CorrelationData", None)
-        received = ReceivedMessage(
-            topic=message.topic,
-            payload=bytes(message.payload),
-            qos=message.qos,
-            response_topic=getattr(props, "ResponseTopic", None),
-            correlation_data=bytes(correlation) if correlation is not None else None,
-            user_properties=tuple(
-                (str(k), str(v)) for k, v in getattr(props, "UserProperty", None) or ()
-            ),
-        )
-        if self._on_message_handler is not None:
-            self._post(self._on_message_handler, received)
+        try:
+            if self._handler is not None:
+                self._handler(message.topic, message.payload)
+                return
+            props = getattr(message, "properties", None)
+            correlation = getattr(props, "CorrelationData", None)
+            received = ReceivedMessage(
+                topic=message.topic,
+                payload=bytes(message.payload),
+                qos=message.qos,
+                response_topic=getattr(props, "ResponseTopic", None),
+                correlation_data=bytes(correlation) if correlation is not None else None,
+                user_properties=tuple(
+                    (str(k), str(v)) for k, v in getattr(props, "UserProperty", None) or ()
+                ),
+            )
+            if self._on_message_handler is not None:
+                self._on_message_handler(received)
+        except Exception:
+            log.exception("MQTT %s: a message handler failed", self._name)
 
     def _on_publish(
         self, _c: mqtt.Client, _u: Any, mid: int, reason: ReasonCode, _p: Any
     ) -> None:
-        if self._waiting:  # only publish() waits; publish_nowait() leaves nothing to settle
-            self._post(self._settle, mid, reason)
-
-    def _post(self, callback: Callable[..., Any], *args: Any) -> None:
-        """Queue ``callback(*args)`` for the event loop, in order.
-
-        A burst of messages wakes the loop once: only the first call after a drain schedules
-        one (a wake-up costs a syscall and a loop iteration per call otherwise, and under load
-        that, not the handling, limits how fast messages are taken in).
-        """
-        loop = self._loop
-        if loop is None or loop.is_closed():
+        ack = self._acks.get(mid)
+        if ack is None or ack.done():
             return
-        self._inbox.append((callback, args))
-        if self._drain_scheduled:
-            return
-        self._drain_scheduled = True
-        with contextlib.suppress(RuntimeError):  # the loop closed after the check
-            loop.call_soon_threadsafe(self._drain)
+        if reason.is_failure:
+            ack.set_exception(MqttError(f"the broker at {self.where} refused a publish: {reason}"))
+        else:
+            ack.set_result(None)
 
-    def _drain(self) -> None:
-        # Cleared before draining: a message queued from now on schedules a drain of its own,
-        # so none can be left behind.
-        self._drain_scheduled = False
-        inbox = self._inbox
-        while inbox:
-            callback, args = inbox.popleft()
-            try:
-                callback(*args)
-            except Exception:
-                log.exception("MQTT %s: a message handler failed", self._name)
-
-    # ---- asyncio's thread ------------------------------------------------------------------
+    # ---- publishing (the loop's thread) ----------------------------------------------------
 
     async def publish(
         self,
@@ -311,31 +403,21 @@ class MqttSubscriber:
         Raises MqttError: not connected, paho refused the message, the broker answered with a
         failure reason code (e.g. not authorised), or no acknowledgement within ``timeout_s``.
         """
+        mid = self.publish_nowait(
+            topic, payload, qos=qos, retain=retain, user_properties=user_properties,
+            correlation_data=correlation_data, response_topic=response_topic,
+        )  # fmt: skip
         if qos == 0:
-            self.publish_nowait(
-                topic, payload, qos=0, retain=retain, user_properties=user_properties,
-                correlation_data=correlation_data, response_topic=response_topic,
-            )
             return
-        loop = asyncio.get_running_loop()
-        self._waiting += 1  # before sending, so paho's thread posts the acknowledgement
-        mid: int | None = None
+        # The PUBACK is read on this thread, later: the future is registered before it can be.
+        ack = self._acks[mid] = asyncio.get_running_loop().create_future()
         try:
-            mid = self.publish_nowait(
-                topic, payload, qos=qos, retain=retain, user_properties=user_properties,
-                correlation_data=correlation_data, response_topic=response_topic,
-            )
-            # No await since the send: the acknowledgement, posted by paho's thread to this
-            # loop, cannot be handled before the future is registered.
-            ack = self._acks[mid] = loop.create_future()
             await asyncio.wait_for(ack, self._timeout_s)
         except asyncio.TimeoutError as e:
             raise MqttError(f"no acknowledgement from the broker at {self.where} for a publish "
                             f"on {topic!r} within {self._timeout_s} s") from e
         finally:
-            self._waiting -= 1
-            if mid is not None:
-                self._acks.pop(mid, None)
+            self._acks.pop(mid, None)
 
     def publish_nowait(
         self,
@@ -350,7 +432,9 @@ class MqttSubscriber:
     ) -> int:
         """Hand one message to paho without waiting for the broker; return its message id.
 
-        Raises MqttError: not connected, or paho refused the message (e.g. too large).
+        It is written when the loop next finds the socket writable (or, from a handler, with
+        the acknowledgements of the read that brought the request). Raises MqttError: not
+        connected, or paho refused the message (e.g. too large).
         """
         if self._closed or not self._client.is_connected():
             raise MqttError(f"not connected to the broker at {self.where}")
@@ -371,15 +455,6 @@ class MqttSubscriber:
             raise MqttError(f"cannot publish on {topic!r}: {mqtt.error_string(info.rc)}")
         return int(info.mid)
 
-    def _settle(self, mid: int, reason: ReasonCode) -> None:
-        ack = self._acks.get(mid)
-        if ack is None or ack.done():
-            return
-        if reason.is_failure:
-            ack.set_exception(MqttError(f"the broker at {self.where} refused a publish: {reason}"))
-        else:
-            ack.set_result(None)
-
     def _ready(self) -> None:
         if self._subscribed is not None and not self._subscribed.done():
             self._subscribed.set_result(None)
@@ -391,3 +466,42 @@ class MqttSubscriber:
             self._subscribed.set_exception(MqttError(message))
         else:
             log.error("%s session: %s", self._name, message)
+
+
+class _BufferedClient(mqtt.Client):
+    """paho's client reading the socket in large chunks.
+
+    paho reads each packet with three or four ``recv`` calls (the type byte, each byte of the
+    remaining length, the body). Here one ``recv`` of up to 64 KiB fills a buffer that paho's
+    small reads are served from; :attr:`buffered` tells the reader to go on while a whole
+    packet may be waiting there (the socket reports no readiness for it). The buffer is
+    dropped with the socket. Hooks ``_sock_recv``/``_sock_close`` (paho 2.x, pinned in
+    deploy/constraints.txt); if a paho release renames them this class reads as paho does.
+    """
+
+    _CHUNK = 65536
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rbuf = b""
+        self._rpos = 0
+
+    @property
+    def buffered(self) -> bool:
+        return self._rpos < len(self._rbuf)
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        data, pos = self._rbuf, self._rpos
+        if pos >= len(data):
+            data = super()._sock_recv(max(bufsize, self._CHUNK))  # raises BlockingIOError
+            if len(data) <= bufsize:
+                self._rbuf, self._rpos = b"", 0
+                return data
+            pos = 0
+        end = min(pos + bufsize, len(data))
+        self._rbuf, self._rpos = data, end
+        return data[pos:end]
+
+    def _sock_close(self) -> None:
+        self._rbuf, self._rpos = b"", 0
+        super()._sock_close()
