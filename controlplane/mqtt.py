@@ -44,6 +44,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from controlplane.broker.base import Credentials
 from shared.errors import McpError
+from shared.recvbuffer import RecvBuffer
 
 log = logging.getLogger("mcp.controlplane.mqtt")
 
@@ -468,40 +469,27 @@ class MqttSubscriber:
             log.error("%s session: %s", self._name, message)
 
 
+
 class _BufferedClient(mqtt.Client):
-    """paho's client reading the socket in large chunks.
+    """paho's client reading the socket through a :class:`shared.recvbuffer.RecvBuffer`.
 
-    paho reads each packet with three or four ``recv`` calls (the type byte, each byte of the
-    remaining length, the body). Here one ``recv`` of up to 64 KiB fills a buffer that paho's
-    small reads are served from; :attr:`buffered` tells the reader to go on while a whole
-    packet may be waiting there (the socket reports no readiness for it). The buffer is
-    dropped with the socket. Hooks ``_sock_recv``/``_sock_close`` (paho 2.x, pinned in
-    deploy/constraints.txt); if a paho release renames them this class reads as paho does.
+    One ``recv`` of up to 64 KiB instead of three or four per packet; :attr:`buffered` tells
+    the reader to go on while whole packets may wait in the buffer. Hooks paho 2.x's
+    ``_sock_recv``/``_sock_close`` (pinned in deploy/constraints.txt); if a release renames
+    them, this client reads as paho does.
     """
-
-    _CHUNK = 65536
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._rbuf = b""
-        self._rpos = 0
+        self._rbuf = RecvBuffer()
 
     @property
     def buffered(self) -> bool:
-        return self._rpos < len(self._rbuf)
+        return self._rbuf.pending
 
     def _sock_recv(self, bufsize: int) -> bytes:
-        data, pos = self._rbuf, self._rpos
-        if pos >= len(data):
-            data = super()._sock_recv(max(bufsize, self._CHUNK))  # raises BlockingIOError
-            if len(data) <= bufsize:
-                self._rbuf, self._rpos = b"", 0
-                return data
-            pos = 0
-        end = min(pos + bufsize, len(data))
-        self._rbuf, self._rpos = data, end
-        return data[pos:end]
+        return self._rbuf.take(bufsize, super()._sock_recv)
 
     def _sock_close(self) -> None:
-        self._rbuf, self._rpos = b"", 0
+        self._rbuf.clear()
         super()._sock_close()

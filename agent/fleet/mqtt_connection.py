@@ -1,8 +1,10 @@
 """One MQTT connection: a fresh paho-mqtt 2.x client whose socket the asyncio loop watches.
 
 :class:`Connection` lives for one socket. paho reads and writes on the event loop thread
-(``add_reader``/``add_writer`` call ``loop_read``/``loop_write``; a task calls ``loop_misc``
-every second for keep-alive pings and the dead-connection check), so no paho thread runs. Only
+(``add_reader`` calls ``loop_read``, reading the socket in 64 KiB chunks; queued packets are
+written in the same loop turn, with ``add_writer`` only while the socket is full; a task calls
+``loop_misc`` every second for keep-alive pings and the dead-connection check), so no paho
+thread runs. Only
 the blocking TCP/TLS connect runs in the default executor; the callbacks paho makes there cross
 into the loop with ``loop.call_soon_threadsafe``. TCP_NODELAY is set the moment the socket
 opens. Each QoS 1 publish and (un)subscribe waits on a future keyed by its packet id; the
@@ -37,6 +39,7 @@ from agent.fleet.mqtt_types import (
     Subscription,
     set_tcp_nodelay,
 )
+from shared.recvbuffer import RecvBuffer
 
 log = logging.getLogger("mcp.agent.mqtt")
 _MISC_INTERVAL_S = 1.0
@@ -56,7 +59,8 @@ class Connection:
         self.closed: asyncio.Future[str] = self.loop.create_future()
         self.pending: dict[int, asyncio.Future[Any]] = {}
         self.fd: int | None = None
-        self.writing = False
+        self.writing = False  # watching for writability: the socket's send buffer was full
+        self._write_scheduled = False
         self.nodelay = False
         self._misc_task: asyncio.Task[None] | None = None
         self.client = self._new_client()
@@ -212,14 +216,25 @@ class Connection:
             del self.pending[mid]
 
     def flush(self) -> None:
-        """Write queued packets now instead of waiting a loop turn for writability."""
-        if self.fd is not None and self.client.want_write():
+        """Write queued packets now; watch for writability only while the socket is full."""
+        self._write_scheduled = False
+        fd = self.fd
+        if fd is None:
+            return
+        if self.client.want_write():
             self.client.loop_write()
+        full = self.fd is not None and self.client.want_write()
+        if full != self.writing:
+            self.writing = full
+            if full:
+                self.loop.add_writer(fd, self.flush)
+            else:
+                self.loop.remove_writer(fd)
 
     # ------------------------------------------------------------------ paho wiring
-    def _new_client(self) -> paho.Client:
+    def _new_client(self) -> _ChunkedClient:
         s = self.settings
-        client = paho.Client(
+        client = _ChunkedClient(
             CallbackAPIVersion.VERSION2, client_id=s.client_id, protocol=paho.MQTTv5,
             reconnect_on_failure=False,
         )  # fmt: skip
@@ -236,8 +251,7 @@ class Connection:
         on = self._in_loop
         client.on_socket_open = lambda _c, _u, sock: self._opened(sock)
         client.on_socket_close = lambda _c, _u, _s: on(self._unwatch)
-        client.on_socket_register_write = lambda _c, _u, _s: on(self._want_write, True)
-        client.on_socket_unregister_write = lambda _c, _u, _s: on(self._want_write, False)
+        client.on_socket_register_write = lambda _c, _u, _s: on(self._write_soon)
         client.on_connect = lambda _c, _u, flags, rc, _p: on(
             _resolve, self.connack, (flags.session_present, rc)
         )
@@ -267,9 +281,8 @@ class Connection:
         if self.closed.done():
             return
         self.fd = fd
-        self.loop.add_reader(fd, self.client.loop_read)
-        if self.client.want_write():
-            self._want_write(True)
+        self.loop.add_reader(fd, self._readable)
+        self._write_soon()
 
     def _unwatch(self) -> None:
         fd, self.fd = self.fd, None
@@ -277,16 +290,23 @@ class Connection:
             self.loop.remove_reader(fd)
             if self.writing:
                 self.loop.remove_writer(fd)
-        self.writing = False
+        self.writing = False  # watching for writability: the socket's send buffer was full
+        self._write_scheduled = False
 
-    def _want_write(self, on: bool) -> None:
-        if self.fd is None or on == self.writing:
-            return
-        self.writing = on
-        if on:
-            self.loop.add_writer(self.fd, self.client.loop_write)
-        else:
-            self.loop.remove_writer(self.fd)
+    def _write_soon(self) -> None:
+        # paho queued a packet (e.g. the PUBACK of a message read): written this loop turn,
+        # with whatever else is queued by then, not through a writability watch per packet.
+        if not self._write_scheduled:
+            self._write_scheduled = True
+            self.loop.call_soon(self.flush)
+
+    def _readable(self) -> None:
+        client = self.client
+        client.loop_read()
+        while client.buffered:  # whole packets read but not parsed: no readiness event comes
+            if client.loop_read() != paho.MQTT_ERR_SUCCESS:
+                break
+        self.flush()
 
     async def _misc(self) -> None:
         # Keep-alive pings and the dead-connection check (no PINGRESP within keep-alive).
@@ -303,6 +323,28 @@ class Connection:
             fut.set_exception(MqttRefusedError(f"broker refused the message: {rc}", rc.value))
         else:
             fut.set_result(rc.value)
+
+
+class _ChunkedClient(paho.Client):
+    """paho's client reading the socket through a :class:`shared.recvbuffer.RecvBuffer`: one
+    ``recv`` of up to 64 KiB instead of three or four per packet. Hooks paho 2.x's
+    ``_sock_recv``/``_sock_close`` (pinned in deploy/constraints.txt); if a release renames
+    them, this client reads as paho does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rbuf = RecvBuffer()
+
+    @property
+    def buffered(self) -> bool:
+        return self._rbuf.pending
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        return self._rbuf.take(bufsize, super()._sock_recv)
+
+    def _sock_close(self) -> None:
+        self._rbuf.clear()
+        super()._sock_close()
 
 
 class EncodedProperties:
