@@ -567,11 +567,14 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
             if "skipped" in run:
                 continue
             sub = run["subscriber"]
+            # The goal holds for the deployed broker config (raised_queue); with Mosquitto's
+            # built-in queue limit the broker itself drops a burst, for raw paho too.
+            goal = 0.5 if cfg == "raised_queue" else None
             r = _ratio(
                 f"telemetry.{cfg}.{name}.committed_over_raw_receive",
                 sub["committed_per_s"] / raw["msgs_per_s"] if raw["msgs_per_s"] else 0.0,
                 ">=",
-                0.5,
+                goal,
                 {
                     "broker_extra_config": tel["broker_extra_config"],
                     "committed_per_s": sub["committed_per_s"],
@@ -582,8 +585,9 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
                     "lost": sub["lost"],
                 },
             )
-            r["pass"] = bool(r["pass"]) and sub["lost"] == 0
-            r["goal"] += " and lost == 0"
+            if goal is not None:
+                r["pass"] = bool(r["pass"]) and sub["lost"] == 0
+                r["goal"] += " and lost == 0"
             out.append(r)
     return out
 
@@ -691,9 +695,9 @@ def run(plan: Plan, max_queued: int) -> dict[str, Any]:
             "true, persistence false, 127.0.0.1",
             "inference": "no extra config (Mosquitto defaults)",
             "telemetry": {
-                "default_queue": f"Mosquitto default max_queued_messages "
-                f"{MOSQUITTO_DEFAULT_MAX_QUEUED} (as deploy/mosquitto/mosquitto.conf)",
-                "raised_queue": raised,
+                "default_queue": f"Mosquitto's built-in max_queued_messages "
+                f"{MOSQUITTO_DEFAULT_MAX_QUEUED} (informational: no goal)",
+                "raised_queue": [*raised, "(deploy/mosquitto/mosquitto.conf sets 100000)"],
             },
             "max_inflight_messages": 20,
             "note": "a fresh broker per section (inference, each telemetry config)",
