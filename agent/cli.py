@@ -30,7 +30,7 @@ def profiles_cmd(as_json: bool) -> None:
     profiles = load_profiles()
     if as_json:
         click.echo(
-            json.dumps({n: p.model_dump(mode="json") for n, p in profiles.items()}, indent=2)
+            json.dumps({n: p.to_dict() for n, p in profiles.items()}, indent=2)
         )
         return
     width = max(len(n) for n in profiles)

@@ -39,8 +39,7 @@ from agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundErro
 from agent.runtime.runner import InferenceError, InputError
 from agent.tensor_io import decode_feeds, encode_response, output_names
 from shared.errors import MessageError
-from shared.protocol import ErrorCode
-from shared.protocol.codec import loads
+from shared.protocol.wire import ErrorCode, loads
 
 log = logging.getLogger("mcp.agent.http")
 

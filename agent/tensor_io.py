@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import orjson
 
 from agent.runtime.runner import Array, InputError, TensorSpec
-from shared.protocol import InferTensor
-from shared.protocol.codec import validate
-from shared.protocol.inference import MAX_TENSOR_ELEMENTS, Datatype, InferRequest
+from shared.protocol.wire import MAX_TENSOR_ELEMENTS, Datatype
+
+if TYPE_CHECKING:
+    from shared.protocol.inference import InferTensor
 
 _REQUEST_KEYS = frozenset({"id", "parameters", "inputs"})
 _TENSOR_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
@@ -77,6 +78,10 @@ def decode_feeds(
     fast = _fast_feeds(obj, specs)
     if fast is not None:
         return fast[0], fast[1], None
+    # The message models load pydantic (about 10 MiB): only a body off the fast path pays.
+    from shared.protocol.codec import validate
+    from shared.protocol.inference import InferRequest
+
     req = validate(obj, InferRequest)
     feeds = tensors_to_feeds(req.inputs, specs)
     wanted = [o.name for o in req.outputs] if req.outputs else None
@@ -128,6 +133,8 @@ def _fast_feeds(
         if count > MAX_TENSOR_ELEMENTS:
             return None
         if dtype is None:  # integers, BOOL, BYTES: the protocol model's own conversion
+            from shared.protocol.inference import InferTensor
+
             tensor = InferTensor.model_construct(
                 name=name, shape=shape, datatype=spec.datatype, parameters=tparams, data=data
             )

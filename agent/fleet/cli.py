@@ -20,7 +20,7 @@ import click
 import numpy as np
 
 from shared.errors import MessageError
-from shared.protocol.inference import Datatype
+from shared.protocol.wire import Datatype
 
 
 def _load_data(text: str) -> Any:

@@ -35,7 +35,7 @@ from agent.runtime.runner import (
     RunnerInfo,
     TensorSpec,
 )
-from shared.protocol.inference import Datatype
+from shared.protocol.wire import Datatype
 
 log = logging.getLogger("mcp.agent.runtime")
 

@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from shared.errors import McpError
-from shared.protocol.inference import Datatype
+from shared.protocol.wire import Datatype
 
 Array = np.ndarray[Any, Any]
 

@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "CommandName": "shared.protocol.command",
     "CommandReply": "shared.protocol.command",
     "CommandRequest": "shared.protocol.command",
-    "Datatype": "shared.protocol.inference",
+    "Datatype": "shared.protocol.wire",
     "DeploymentEvent": "shared.protocol.state",
     "DeploymentPhase": "shared.protocol.state",
     "DesiredModel": "shared.protocol.state",
@@ -32,7 +32,7 @@ _EXPORTS: dict[str, str] = {
     "EnrollmentAnswer": "shared.protocol.enrollment",
     "EnrollmentRequest": "shared.protocol.enrollment",
     "EnrollmentStatus": "shared.protocol.enrollment",
-    "ErrorCode": "shared.protocol.command",
+    "ErrorCode": "shared.protocol.wire",
     "ErrorReply": "shared.protocol.command",
     "EventOutcome": "shared.protocol.state",
     "FeatureDrift": "shared.protocol.telemetry",
@@ -55,7 +55,7 @@ _EXPORTS: dict[str, str] = {
     "decode_for_topic": "shared.protocol.codec",
     "decode_infer_request": "shared.protocol.codec",
     "encode": "shared.protocol.codec",
-    "loads": "shared.protocol.codec",
+    "loads": "shared.protocol.wire",
     "new_nonce": "shared.protocol.enrollment",
     "schema_for_topic": "shared.protocol.codec",
     "sign_desired_state": "shared.protocol.state",
@@ -124,7 +124,6 @@ if TYPE_CHECKING:
         decode_for_topic,
         decode_infer_request,
         encode,
-        loads,
         schema_for_topic,
         validate,
     )
@@ -132,7 +131,6 @@ if TYPE_CHECKING:
         CommandName,
         CommandReply,
         CommandRequest,
-        ErrorCode,
         ErrorReply,
     )
     from shared.protocol.enrollment import (
@@ -146,7 +144,6 @@ if TYPE_CHECKING:
         verify_enrollment,
     )
     from shared.protocol.inference import (
-        Datatype,
         InferRequest,
         InferResponse,
         InferTensor,
@@ -176,6 +173,7 @@ if TYPE_CHECKING:
         LatencySummary,
         ModelInferenceStats,
     )
+    from shared.protocol.wire import Datatype, ErrorCode, loads
 
 
 def __getattr__(name: str) -> Any:

@@ -15,7 +15,6 @@ import functools
 import math
 from typing import Any, TypeVar
 
-import orjson
 from pydantic import ValidationError
 
 from shared.errors import MessageError
@@ -27,6 +26,12 @@ from shared.protocol.inference import (
     InferRequest,
     InferTensor,
 )
+from shared.protocol.wire import loads
+
+__all__ = [
+    "decode", "decode_for_parsed", "decode_for_topic", "decode_infer_request",
+    "describe_validation_error", "encode", "loads", "schema_for_topic", "validate",
+]  # fmt: skip
 
 M = TypeVar("M", bound=Message)
 
@@ -34,17 +39,6 @@ M = TypeVar("M", bound=Message)
 def encode(message: Message) -> bytes:
     """Serialize a message to compact JSON bytes (``None`` fields left out)."""
     return message.model_dump_json(exclude_none=True).encode("utf-8")
-
-
-def loads(payload: bytes | bytearray | memoryview | str, *, max_bytes: int) -> Any:
-    """Parse JSON with a size cap; raise :class:`MessageError` for too large or invalid."""
-    size = len(payload.encode("utf-8")) if isinstance(payload, str) else len(payload)
-    if size > max_bytes:
-        raise MessageError(f"payload of {size} bytes exceeds the {max_bytes}-byte limit")
-    try:
-        return orjson.loads(payload)
-    except orjson.JSONDecodeError as e:
-        raise MessageError(f"payload is not valid JSON: {e}") from e
 
 
 def decode(

@@ -10,41 +10,9 @@ from typing import Any, ClassVar
 from pydantic import AwareDatetime, Field
 
 from shared.protocol.base import Message, ShortText
+from shared.protocol.wire import ErrorCode
 
-
-class ErrorCode(str, enum.Enum):
-    """Why a request failed; maps onto HTTP status codes where one is needed."""
-
-    BAD_REQUEST = "bad_request"
-    UNAUTHORIZED = "unauthorized"
-    FORBIDDEN = "forbidden"
-    NOT_FOUND = "not_found"
-    CONFLICT = "conflict"
-    TOO_LARGE = "too_large"
-    UNSUPPORTED = "unsupported"
-    OVERLOADED = "overloaded"
-    TIMEOUT = "timeout"
-    UNAVAILABLE = "unavailable"
-    INTERNAL = "internal"
-
-    @property
-    def http_status(self) -> int:
-        return _HTTP_STATUS[self]
-
-
-_HTTP_STATUS = {
-    ErrorCode.BAD_REQUEST: 400,
-    ErrorCode.UNAUTHORIZED: 401,
-    ErrorCode.FORBIDDEN: 403,
-    ErrorCode.NOT_FOUND: 404,
-    ErrorCode.CONFLICT: 409,
-    ErrorCode.TOO_LARGE: 413,
-    ErrorCode.UNSUPPORTED: 415,
-    ErrorCode.OVERLOADED: 429,
-    ErrorCode.TIMEOUT: 504,
-    ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.INTERNAL: 500,
-}
+__all__ = ["CommandName", "CommandReply", "CommandRequest", "ErrorCode", "ErrorReply"]
 
 
 class ErrorReply(Message):

@@ -8,7 +8,6 @@ Triton's and KServe's own clients work against an agent. ``data`` is row-major, 
 
 from __future__ import annotations
 
-import enum
 import math
 from typing import Any, ClassVar
 
@@ -17,61 +16,12 @@ from pydantic import Field, StrictInt, field_validator
 
 from shared.errors import MessageError
 from shared.protocol.base import Identifier, Message
+from shared.protocol.wire import MAX_TENSOR_ELEMENTS, Datatype
 
-MAX_TENSOR_ELEMENTS = 16 * 1024 * 1024
-
-
-class Datatype(str, enum.Enum):
-    BOOL = "BOOL"
-    UINT8 = "UINT8"
-    UINT16 = "UINT16"
-    UINT32 = "UINT32"
-    UINT64 = "UINT64"
-    INT8 = "INT8"
-    INT16 = "INT16"
-    INT32 = "INT32"
-    INT64 = "INT64"
-    FP16 = "FP16"
-    FP32 = "FP32"
-    FP64 = "FP64"
-    BYTES = "BYTES"
-
-    @property
-    def numpy_dtype(self) -> np.dtype[Any]:
-        return _NUMPY_DTYPES[self]
-
-    @classmethod
-    def from_numpy(cls, dtype: np.dtype[Any]) -> Datatype:
-        """The protocol datatype for a numpy dtype; raises :class:`MessageError` if none fits."""
-        found = _FROM_KIND_SIZE.get((dtype.kind, dtype.itemsize))
-        if found is not None:
-            return found
-        if dtype.kind in ("U", "S", "O"):
-            return cls.BYTES
-        raise MessageError(f"numpy dtype {dtype} has no Open Inference Protocol datatype")
-
-
-_TO_NUMPY: dict[Datatype, str] = {
-    Datatype.BOOL: "bool",
-    Datatype.UINT8: "uint8",
-    Datatype.UINT16: "uint16",
-    Datatype.UINT32: "uint32",
-    Datatype.UINT64: "uint64",
-    Datatype.INT8: "int8",
-    Datatype.INT16: "int16",
-    Datatype.INT32: "int32",
-    Datatype.INT64: "int64",
-    Datatype.FP16: "float16",
-    Datatype.FP32: "float32",
-    Datatype.FP64: "float64",
-    Datatype.BYTES: "object",
-}
-_NUMPY_DTYPES: dict[Datatype, np.dtype[Any]] = {d: np.dtype(n) for d, n in _TO_NUMPY.items()}
-# Keyed by (kind, itemsize) so any byte order maps; a dict lookup on the response hot path.
-_FROM_KIND_SIZE: dict[tuple[str, int], Datatype] = {
-    (dt.kind, dt.itemsize): d for d, dt in _NUMPY_DTYPES.items() if d is not Datatype.BYTES
-}
-
+__all__ = [
+    "MAX_TENSOR_ELEMENTS", "Datatype", "InferRequest", "InferResponse", "InferTensor",
+    "RequestedOutput",
+]
 
 class InferTensor(Message):
     """One named tensor (a request input or a response output)."""

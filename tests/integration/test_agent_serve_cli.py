@@ -128,6 +128,26 @@ def test_serve_with_a_canary_from_the_command_line(
                                             "error_rate": 0.0}
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+def test_serving_well_formed_requests_never_loads_pydantic(
+    digits: DigitsModels, agent_process: Any
+) -> None:
+    # pydantic and the message models cost about 10 MiB of RSS; serving needs them only to
+    # explain a refused body (docs/agent.md).
+    proc, base = agent_process("--model-path", str(digits.onnx_path))
+    maps = Path(f"/proc/{proc.pid}/maps")
+    body = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
+                        "data": digits.X_test[0].tolist()}]}
+    assert _post(base + "/v2/models/digits/infer", body)[0] == 200
+    assert _get(base + "/v2/models/digits")[0] == 200
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        assert b"mcp_agent_requests_total" in r.read()
+    assert "pydantic_core" not in maps.read_text()
+    status, answer = _post(base + "/v2/models/digits/infer", {"inputs": "nope"})
+    assert status == 400 and "inputs" in answer["error"]
+    assert "pydantic_core" in maps.read_text()  # loaded for the full validation, once
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

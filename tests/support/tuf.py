@@ -15,6 +15,7 @@ it serves as JSON.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -39,7 +40,7 @@ def update_profile(**runtime: Any) -> HardwareProfile:
     base = load_profiles()["generic-x86_64"]
     if not runtime:
         return base
-    return base.model_copy(update={"runtime": base.runtime.model_copy(update=runtime)})
+    return dataclasses.replace(base, runtime=dataclasses.replace(base.runtime, **runtime))
 
 
 def make_bundle(
