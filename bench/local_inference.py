@@ -252,17 +252,27 @@ def _rss_mib(pid: int) -> float:
     return round(float(psutil.Process(pid).memory_info().rss) / MIB, 1)
 
 
-def _batch_counters(port: int, model: str) -> dict[str, float]:
-    """``mcp_agent_batch_size`` (rows per batch) sum/count for ``model`` from /metrics (0s if absent)."""
+BATCH_FAMILY = "mcp_agent_batch_size"
+RUN_FAMILY = "mcp_agent_inference_run_seconds"
+
+
+def _histogram_sums(port: int, family: str, model: str) -> dict[str, float]:
+    """``family``'s sum/count for ``model`` from the agent's /metrics (0s if absent)."""
     status, text = http_request(port, "/metrics")
     found = {"sum": 0.0, "count": 0.0}
     if status != 200:
         return found
     for line in text.decode().splitlines():
         for key in found:
-            if line.startswith(f"mcp_agent_batch_size_{key}{{") and f'model="{model}"' in line:
+            if line.startswith(f"{family}_{key}{{") and f'model="{model}"' in line:
                 found[key] = float(line.rsplit(" ", 1)[1])
     return found
+
+
+def _run_us_between(before: dict[str, float], after: dict[str, float]) -> float | None:
+    """Mean backend run time (µs) between two readings of mcp_agent_inference_run_seconds."""
+    runs = after["count"] - before["count"]
+    return round((after["sum"] - before["sum"]) / runs * 1e6, 2) if runs else None
 
 
 def _check_agent_answer(
@@ -335,6 +345,7 @@ def bench_agent(
         check = _check_agent_answer(port, model, body_file.read_bytes(), expected)
         rss_ready = _rss_mib(proc.pid)
         path = f"/v2/models/{model.name}/infer"
+        runs_start = _histogram_sums(port, RUN_FAMILY, model.name)
         c1 = run_client(
             port=port,
             path=path,
@@ -345,7 +356,8 @@ def bench_agent(
             max_requests=plan.c1_requests,
             server_pid=proc.pid,
         )
-        before = _batch_counters(port, model.name)
+        runs_c1 = _histogram_sums(port, RUN_FAMILY, model.name)
+        before = _histogram_sums(port, BATCH_FAMILY, model.name)
         c64 = run_client(
             port=port,
             path=path,
@@ -356,7 +368,8 @@ def bench_agent(
             max_requests=10_000_000,
             server_pid=proc.pid,
         )
-        after = _batch_counters(port, model.name)
+        after = _histogram_sums(port, BATCH_FAMILY, model.name)
+        runs_c64 = _histogram_sums(port, RUN_FAMILY, model.name)
         batches = after["count"] - before["count"]
         return {
             "command": "mcp-agent "
@@ -376,6 +389,12 @@ def bench_agent(
                 if batches
                 else None,
                 "note": "from /metrics; includes the c64 warm-up",
+            },
+            "backend_run_us_mean": {
+                "c1": _run_us_between(runs_start, runs_c1),
+                "c64_per_batch": _run_us_between(runs_c1, runs_c64),
+                "note": "the agent's own mcp_agent_inference_run_seconds (warm-ups included); "
+                "compare with session_run, timed back to back",
             },
         }
 
@@ -418,6 +437,7 @@ def ratios(result: dict[str, Any]) -> list[dict[str, Any]]:
                         "agent_p50_us": a["c1"]["latency_us"]["p50"],
                         "null_p50_us": null_p50,
                         "session_run_p50_us": ort_p50,
+                        "agent_backend_run_us_mean_c1": a["backend_run_us_mean"]["c1"],
                     },
                 )
             )
