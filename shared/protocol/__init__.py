@@ -53,7 +53,6 @@ _EXPORTS: dict[str, str] = {
     "TrustRoot": "shared.protocol.enrollment",
     "decode": "shared.protocol.codec",
     "decode_for_topic": "shared.protocol.codec",
-    "decode_infer_request": "shared.protocol.codec",
     "encode": "shared.protocol.codec",
     "loads": "shared.protocol.wire",
     "new_nonce": "shared.protocol.enrollment",
@@ -102,7 +101,6 @@ __all__ = [
     "TrustRoot",
     "decode",
     "decode_for_topic",
-    "decode_infer_request",
     "encode",
     "loads",
     "new_nonce",
@@ -122,7 +120,6 @@ if TYPE_CHECKING:
     from shared.protocol.codec import (
         decode,
         decode_for_topic,
-        decode_infer_request,
         encode,
         schema_for_topic,
         validate,

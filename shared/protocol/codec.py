@@ -12,7 +12,6 @@ several (the control plane's ingest).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
@@ -21,16 +20,13 @@ from shared.errors import MessageError
 from shared.protocol import topics
 from shared.protocol.base import Message
 from shared.protocol.inference import (
-    MAX_TENSOR_ELEMENTS,
-    Datatype,
     InferRequest,
-    InferTensor,
 )
 from shared.protocol.wire import loads
 
 __all__ = [
-    "decode", "decode_for_parsed", "decode_for_topic", "decode_infer_request",
-    "describe_validation_error", "encode", "loads", "schema_for_topic", "validate",
+    "decode", "decode_for_parsed", "decode_for_topic", "describe_validation_error", "encode",
+    "loads", "schema_for_topic", "validate",
 ]  # fmt: skip
 
 M = TypeVar("M", bound=Message)
@@ -52,68 +48,6 @@ def decode(
     cap = cls.MAX_BYTES if max_bytes is None else min(max_bytes, cls.MAX_BYTES)
     obj = loads(payload, max_bytes=cap)
     return validate(obj, cls)
-
-
-_REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
-_TENSOR_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
-_DATATYPES = {d.value: d for d in Datatype}
-
-
-def decode_infer_request(
-    payload: bytes | bytearray | memoryview | str, *, max_bytes: int | None = None
-) -> InferRequest:
-    """:func:`decode` for :class:`InferRequest`, fast on the common well-formed body.
-
-    A body that plainly fits the schema (the checks below mirror it) is built without
-    re-validating every element of ``data``; anything else goes through full validation, so
-    errors and their messages are exactly those of :func:`decode`.
-    """
-    cap = InferRequest.MAX_BYTES if max_bytes is None else min(max_bytes, InferRequest.MAX_BYTES)
-    obj = loads(payload, max_bytes=cap)
-    fast = _fast_infer_request(obj)
-    return fast if fast is not None else validate(obj, InferRequest)
-
-
-def _fast_infer_request(obj: Any) -> InferRequest | None:
-    if type(obj) is not dict or not obj.keys() <= _REQUEST_KEYS:
-        return None
-    rid, params, inputs, outputs = (
-        obj.get("id"),
-        obj.get("parameters"),
-        obj.get("inputs"),
-        obj.get("outputs"),
-    )
-    if (rid is not None and (type(rid) is not str or len(rid) > 256)) or (
-        params is not None and type(params) is not dict
-    ):
-        return None
-    if outputs is not None or type(inputs) is not list or not 1 <= len(inputs) <= 64:
-        return None  # requested outputs are rare: full validation
-    tensors = []
-    for t in inputs:
-        if type(t) is not dict or not t.keys() <= _TENSOR_KEYS:
-            return None
-        name, shape, dtype, data = t.get("name"), t.get("shape"), t.get("datatype"), t.get("data")
-        tparams = t.get("parameters")
-        if type(name) is not str or not 1 <= len(name) <= 256 or type(data) is not list:
-            return None
-        if type(shape) is not list or len(shape) > 16:
-            return None
-        if any(type(d) is not int or d < 0 for d in shape):
-            return None
-        if math.prod(shape) > MAX_TENSOR_ELEMENTS or (
-            tparams is not None and type(tparams) is not dict
-        ):
-            return None
-        datatype = _DATATYPES.get(dtype) if type(dtype) is str else None
-        if datatype is None:
-            return None
-        tensors.append(
-            InferTensor.model_construct(
-                name=name, shape=shape, datatype=datatype, parameters=tparams, data=data
-            )
-        )
-    return InferRequest.model_construct(id=rid, parameters=params, inputs=tensors, outputs=None)
 
 
 def validate(obj: Any, cls: type[M]) -> M:

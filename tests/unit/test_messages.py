@@ -37,7 +37,6 @@ from shared.protocol import (
     TargetRef,
     decode,
     decode_for_topic,
-    decode_infer_request,
     encode,
     new_nonce,
     sign_desired_state,
@@ -302,34 +301,3 @@ def test_enrollment_request_proves_possession_and_freshness() -> None:
         verify_enrollment(swapped, now=NOW)
     with pytest.raises(MessageError, match="labels"):
         validate({**req.model_dump(mode="json"), "labels": {"Bad Key": "x"}}, EnrollmentRequest)
-
-
-@given(infer)
-def test_fast_infer_request_decode_equals_full_validation(request: InferRequest) -> None:
-    body = encode(request)
-    fast = decode_infer_request(body)
-    assert fast == decode(body, InferRequest)
-    for a, b in zip(fast.inputs, request.inputs, strict=True):
-        assert np.array_equal(a.to_numpy(), b.to_numpy())
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP8","data":[1]}]}',
-        b'{"inputs":[{"name":"x","shape":[-1],"datatype":"FP32","data":[1]}]}',
-        b'{"inputs":[{"name":"x","shape":[true],"datatype":"FP32","data":[1]}]}',
-        b'{"inputs":[{"name":"","shape":[1],"datatype":"FP32","data":[1]}]}',
-        b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1],"extra":1}]}',
-        b'{"inputs":[]}',
-        b'{"inputs":[{"name":"x","shape":[100000,100000],"datatype":"FP32","data":[1]}]}',
-        b'{"id": 5, "inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}',
-        b'[1, 2]',
-    ],
-)
-def test_fast_infer_request_decode_refuses_what_full_validation_refuses(body: bytes) -> None:
-    with pytest.raises(MessageError) as full:
-        decode(body, InferRequest)
-    with pytest.raises(MessageError) as fast:
-        decode_infer_request(body)
-    assert str(fast.value) == str(full.value)
