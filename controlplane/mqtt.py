@@ -272,7 +272,11 @@ class MqttSubscriber:
 
     def _watch(self, fd: int) -> None:
         assert self._loop is not None and self._gone is not None
-        if self._closed:  # a connect that finished after close(): close() closes its socket
+        if self._closed:  # a reconnect that finished after close(): nobody will use it
+            sock = self._client.socket()
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.close()
             return
         self._fd = fd
         self._gone.clear()
