@@ -185,6 +185,28 @@ def test_our_publish_properties_are_byte_for_byte_what_paho_would_send(
     assert ours == bytes(props.pack())
 
 
+@pytest.mark.parametrize("sizes", [(3, 20, 0, 64), (0, 1, 250, 70_000, 9)], ids=["tiny", "mixed"])
+async def test_a_burst_of_messages_arrives_whole_and_in_order(
+    mosquitto: MosquittoBroker, sizes: tuple[int, ...]
+) -> None:
+    # The client reads the socket in 64 KiB chunks: many packets per read, some across reads.
+    def payload(i: int) -> bytes:
+        return (i.to_bytes(4, "big") * (sizes[i % len(sizes)] // 4 + 1))[: sizes[i % len(sizes)]]
+
+    topic = f"burst/{secrets.token_hex(4)}"
+    got: list[bytes] = []
+    sub = MqttClient(MqttSettings(mosquitto.host, mosquitto.port, client_id=f"sub-{topic[6:]}",
+                                  clean_start=True, session_expiry_s=0))
+    sub.set_handler(lambda m: got.append(m.payload))
+    async with sub, MqttClient(MqttSettings(mosquitto.host, mosquitto.port,
+                                            client_id=f"pub-{topic[6:]}")) as pub:
+        await sub.subscribe(topic)
+        acks = [pub.publish_nowait(topic, payload(i), qos=1) for i in range(300)]
+        await asyncio.gather(*acks)
+        await until(lambda: len(got) >= 300)
+    assert got == [payload(i) for i in range(300)]
+
+
 # ------------------------------------------------------------------------------ birth / will
 AGENT_SCRIPT = textwrap.dedent("""
     import asyncio, sys
