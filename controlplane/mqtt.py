@@ -244,7 +244,8 @@ class MqttSubscriber:
                 await asyncio.sleep(KEEPER_TICK_S)
                 self._client.loop_misc()  # pings; drops a connection with no PINGRESP in time
                 self._flush()
-                delay = RECONNECT_DELAY_S[0]
+                if self._client.is_connected():  # a refused login keeps backing off
+                    delay = RECONNECT_DELAY_S[0]
                 continue
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
             delay = min(delay * 2, RECONNECT_DELAY_S[1])
