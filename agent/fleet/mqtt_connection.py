@@ -290,8 +290,7 @@ class Connection:
             self.loop.remove_reader(fd)
             if self.writing:
                 self.loop.remove_writer(fd)
-        self.writing = False  # watching for writability: the socket's send buffer was full
-        self._write_scheduled = False
+        self.writing = False
 
     def _write_soon(self) -> None:
         # paho queued a packet (e.g. the PUBACK of a message read): written this loop turn,
