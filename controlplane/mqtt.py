@@ -44,7 +44,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from controlplane.broker.base import Credentials
 from shared.errors import McpError
-from shared.recvbuffer import RecvBuffer
+from shared.recvbuffer import ChunkedReads
 
 log = logging.getLogger("mcp.controlplane.mqtt")
 
@@ -475,26 +475,5 @@ class MqttSubscriber:
 
 
 
-class _BufferedClient(mqtt.Client):
-    """paho's client reading the socket through a :class:`shared.recvbuffer.RecvBuffer`.
-
-    One ``recv`` of up to 64 KiB instead of three or four per packet; :attr:`buffered` tells
-    the reader to go on while whole packets may wait in the buffer. Hooks paho 2.x's
-    ``_sock_recv``/``_sock_close`` (pinned in deploy/constraints.txt); if a release renames
-    them, this client reads as paho does.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._rbuf = RecvBuffer()
-
-    @property
-    def buffered(self) -> bool:
-        return self._rbuf.pending
-
-    def _sock_recv(self, bufsize: int) -> bytes:
-        return self._rbuf.take(bufsize, super()._sock_recv)
-
-    def _sock_close(self) -> None:
-        self._rbuf.clear()
-        super()._sock_close()
+class _BufferedClient(ChunkedReads, mqtt.Client):
+    """paho's client reading its socket in 64 KiB chunks (see shared.recvbuffer)."""

@@ -2,14 +2,15 @@
 
 paho-mqtt reads each packet with three or four ``recv`` calls (the type byte, each byte of the
 remaining length, then the body), one system call each. The agent's and the control plane's
-MQTT clients hook paho's read through a :class:`RecvBuffer`: one ``recv`` of up to
-:data:`CHUNK` bytes, and paho's small reads are sliced from it. Sans-io: the caller passes the
-function that really reads, so nothing here touches a socket.
+MQTT clients mix :class:`ChunkedReads` into paho's client: one ``recv`` of up to :data:`CHUNK`
+bytes into a :class:`RecvBuffer`, and paho's small reads are sliced from it. The buffer is
+sans-io (the caller passes the function that really reads); the mixin imports no paho.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 CHUNK = 65536
 """Bytes asked of the socket per real read."""
@@ -49,3 +50,30 @@ class RecvBuffer:
 
     def clear(self) -> None:
         self._data, self._pos = b"", 0
+
+
+class ChunkedReads:
+    """Mix in before ``paho.mqtt.client.Client`` to read its socket through a
+    :class:`RecvBuffer`: ``class Client(ChunkedReads, paho.Client)``.
+
+    One ``recv`` of up to :data:`CHUNK` bytes instead of three or four per packet;
+    :attr:`buffered` tells the reader to go on calling ``loop_read`` while whole packets may
+    wait in the buffer. Hooks paho 2.x's ``_sock_recv``/``_sock_close`` (pinned in
+    deploy/constraints.txt); if a release renames them, the client reads as paho does. Nothing
+    here imports paho.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rbuf = RecvBuffer()
+
+    @property
+    def buffered(self) -> bool:
+        return self._rbuf.pending
+
+    def _sock_recv(self, bufsize: int) -> bytes:
+        return self._rbuf.take(bufsize, super()._sock_recv)  # type: ignore[misc]
+
+    def _sock_close(self) -> None:
+        self._rbuf.clear()
+        super()._sock_close()  # type: ignore[misc]

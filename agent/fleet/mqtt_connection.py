@@ -39,7 +39,7 @@ from agent.fleet.mqtt_types import (
     Subscription,
     set_tcp_nodelay,
 )
-from shared.recvbuffer import RecvBuffer
+from shared.recvbuffer import ChunkedReads
 
 log = logging.getLogger("mcp.agent.mqtt")
 _MISC_INTERVAL_S = 1.0
@@ -324,26 +324,8 @@ class Connection:
             fut.set_result(rc.value)
 
 
-class _ChunkedClient(paho.Client):
-    """paho's client reading the socket through a :class:`shared.recvbuffer.RecvBuffer`: one
-    ``recv`` of up to 64 KiB instead of three or four per packet. Hooks paho 2.x's
-    ``_sock_recv``/``_sock_close`` (pinned in deploy/constraints.txt); if a release renames
-    them, this client reads as paho does."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._rbuf = RecvBuffer()
-
-    @property
-    def buffered(self) -> bool:
-        return self._rbuf.pending
-
-    def _sock_recv(self, bufsize: int) -> bytes:
-        return self._rbuf.take(bufsize, super()._sock_recv)
-
-    def _sock_close(self) -> None:
-        self._rbuf.clear()
-        super()._sock_close()
+class _ChunkedClient(ChunkedReads, paho.Client):
+    """paho's client reading its socket in 64 KiB chunks (see shared.recvbuffer)."""
 
 
 class EncodedProperties:
