@@ -218,7 +218,12 @@ class DeploymentService:
             if selector.device_id and skipped:
                 raise DeploymentConflictError(skipped[selector.device_id])
             ids = [d.id for d in fits]
-            await self._refuse_downgrades(tx, model, versions[version], ids, rollback)
+            await self._refuse_downgrades(
+                tx, model, {"stable": versions[version],
+                            **({"canary": versions[canary[0]]} if canary else {}),
+                            **({"shadow": versions[shadow]} if shadow else {})},
+                ids, rollback,
+            )
             deployment = await q.insert_deployment(
                 tx, action=DEPLOY, model=model, version=version, device_id=selector.device_id,
                 group_name=selector.group, labels=dict(selector.labels) if selector.labels else None,
@@ -426,8 +431,12 @@ class DeploymentService:
         return devices
 
     async def _refuse_downgrades(
-        self, tx: Tx, model: str, target: VersionView, ids: list[str], rollback: bool
+        self, tx: Tx, model: str, placed: Mapping[str, VersionView], ids: list[str],
+        rollback: bool,
     ) -> None:
+        """Refuse (409) when any version placed on a device, stable, canary or shadow, is
+        below what the device runs or was last told to run, unless this is a rollback: the
+        device's release counter would refuse it anyway, and the device would end failed."""
         if rollback or not ids:
             return
         current = {m.device_id: m.stable_version
@@ -436,12 +445,15 @@ class DeploymentService:
         known = await q.get_versions(tx, [(model, v) for v in set(current.values())])
         numeric = {v: view.version_numeric for (_, v), view in known.items()}
         reported = await q.reported_active_versions(tx, ids, model)
-        below = downgrades(target.version_numeric, current, reported, numeric)
-        if below:
+        for role, target in placed.items():
+            below = downgrades(target.version_numeric, current, reported, numeric)
+            if not below:
+                continue
             listed = ", ".join(f"{d} ({v})" for d, v in sorted(below.items())[:20])
             more = f" and {len(below) - 20} more" if len(below) > 20 else ""
+            what = f"{model} {target.version}" + ("" if role == "stable" else f" (as {role})")
             raise DowngradeError(
-                f"{model} {target.version} is below the current version on {len(below)} "
+                f"{what} is below the current version on {len(below)} "
                 f"device(s): {listed}{more}; deploy with rollback to go back on purpose", below,
             )
 

@@ -269,12 +269,13 @@ class UpdateAgent:
                 self._set_canary_weight(model.name, c.weight, c.max_error_rate)
             else:
                 await self._deploy(model.name, "canary", c.target, seq, weight=c.weight,
-                                   max_error_rate=c.max_error_rate)  # fmt: skip
+                                   max_error_rate=c.max_error_rate,
+                                   rollback=model.rollback)  # fmt: skip
         elif index.canary is not None:
             await self._drop_role(model.name, index.canary.version, "canary")
         index = self.store.index(model.name)
         if model.shadow is not None:
-            await self._deploy(model.name, "shadow", model.shadow, seq)
+            await self._deploy(model.name, "shadow", model.shadow, seq, rollback=model.rollback)
         elif index.shadow is not None:
             await self._drop_role(model.name, index.shadow, "shadow")
 

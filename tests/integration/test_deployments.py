@@ -336,6 +336,27 @@ async def test_downgrade_needs_rollback(fleet: Fleet) -> None:
     assert state.models[0].stable.version == "1.0.0" and state.models[0].rollback is True
 
 
+async def test_canary_or_shadow_below_the_current_version_needs_rollback(fleet: Fleet) -> None:
+    await publish_versions(fleet.db, fleet.cp.clock(), "digits", "0.9.0", "1.0.0", "1.1.0")
+    cam = fleet.id("cam")
+    probe = await fleet.device("cam")
+    await fleet.deploy("digits", "1.1.0", selector={"device_id": cam})
+    assert (await fleet.desired(probe)).seq == 1
+
+    for extra in ({"canary": {"version": "0.9.0", "weight": 1.0}}, {"shadow": "1.0.0"}):
+        refused = await fleet.deploy("digits", "1.1.0", selector={"device_id": cam},
+                                     status=409, **extra)
+        assert cam in refused["error"] and "rollback" in refused["error"], refused
+        assert "canary" in refused["error"] or "shadow" in refused["error"], refused
+    assert (await fleet.get(f"/api/v1/devices/{cam}/desired"))["seq"] == 1
+
+    await fleet.deploy("digits", "1.1.0", selector={"device_id": cam}, rollback=True,
+                       canary={"version": "0.9.0", "weight": 0.5})
+    state = await fleet.desired(probe, last_seq=1)
+    assert state.seq == 2 and state.models[0].canary is not None
+    assert state.models[0].canary.target.version == "0.9.0" and state.models[0].rollback
+
+
 async def test_refusals_name_the_problem(fleet: Fleet) -> None:
     await publish_versions(fleet.db, fleet.cp.clock(), "digits", "1.0.0", "1.1.0")
     cam = fleet.id("cam")
