@@ -64,6 +64,7 @@ from controlplane.db import Database, DatabaseError, current_revision, head_revi
 from controlplane.db import devices as device_q
 from controlplane.db import telemetry as telemetry_q
 from controlplane.deployments import DeploymentService
+from controlplane.httplog import server_logging
 from controlplane.ingest import IngestConnection, IngestService
 from controlplane.metrics import CONTENT_TYPE, ControlPlaneMetrics
 from controlplane.openapi import build_openapi
@@ -360,7 +361,7 @@ async def serve(
     ``ingest`` turns on telemetry ingestion (see :func:`create_app`).
     """
     app = create_app(settings, provisioner, clock, ingest=ingest)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, **server_logging())
     await runner.setup()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
