@@ -67,6 +67,7 @@ from controlplane.deployments import DeploymentService
 from controlplane.httplog import server_logging
 from controlplane.ingest import IngestConnection, IngestService
 from controlplane.metrics import CONTENT_TYPE, ControlPlaneMetrics
+from controlplane.mqtt import MqttSubscriber
 from controlplane.openapi import build_openapi
 from controlplane.repository.http import ENDPOINTS as REPO_ENDPOINTS
 from controlplane.repository.http import attach_repository
@@ -86,6 +87,8 @@ Clock = Callable[[], datetime]
 OPENAPI = web.AppKey("openapi", bytes)
 INGEST = web.AppKey("ingest", IngestService)
 REPO_MQTT = web.AppKey("repo_mqtt", RepoMqttService)
+BROKER_SESSIONS = web.AppKey("broker_sessions", list[MqttSubscriber])
+"""The control plane's own broker sessions (ingest, repository, desired), once started."""
 
 
 def system_clock() -> datetime:
@@ -136,7 +139,8 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when the database answers and its schema is at the newest migration."""
+    """Ready when the database answers, its schema is at the newest migration, and every
+    broker session is logged in (a refused login or a lost broker makes it 503)."""
     db = services(request).db
     try:
         await db.ping()
@@ -148,6 +152,12 @@ async def readyz(request: web.Request) -> web.Response:
             ErrorCode.UNAVAILABLE,
             f"database schema is at {revision or 'nothing'}, expected {head_revision()}; "
             "run mcp-controlplane init or restart serve to migrate",
+        )
+    down = [s for s in request.app.get(BROKER_SESSIONS, []) if not s.up]
+    if down:
+        return error_response(
+            ErrorCode.UNAVAILABLE,
+            "; ".join(f"broker session {s.name}: {s.problem}" for s in down),
         )
     return json_response(
         Health(status="ready", version=__version__, database=db.url.get_backend_name(),
@@ -164,6 +174,8 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
         svc.metrics.set_device_counts(by_status, online)
     except DatabaseError as e:
         log.warning("metrics: device counts unavailable: %s", e)
+    for session in request.app.get(BROKER_SESSIONS, []):
+        svc.metrics.broker_session_up.labels(session.name).set(1 if session.up else 0)
     return web.Response(body=svc.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -300,6 +312,7 @@ def create_app(
     for ep in endpoints:
         route = app.router.add_route(ep.method, ep.path, ep.handler)
         route_roles[route] = ep.role
+    sessions = app[BROKER_SESSIONS] = []
     app[OPENAPI] = orjson.dumps(build_openapi([*endpoints, *REPO_ENDPOINTS], version=__version__))
 
     async def migrate(app: web.Application) -> None:
@@ -319,6 +332,8 @@ def create_app(
 
         async def start_ingest(app: web.Application) -> None:
             await service.start(ingest)
+            if service.session is not None:
+                sessions.append(service.session)
 
         async def stop_ingest(app: web.Application) -> None:
             await service.stop()
@@ -332,6 +347,8 @@ def create_app(
             name = repo_account_name(broker.credentials.client_id)
             credentials = await provisioner.provision_service(name)
             await repo.start(RepoConnection(broker.address, credentials))
+            if repo.session is not None:
+                sessions.append(repo.session)
 
         async def stop_repo(app: web.Application) -> None:
             await repo.stop()
@@ -341,7 +358,8 @@ def create_app(
     else:
         log.info("no broker configured: telemetry ingestion is off")
     deployments = DeploymentService(db, KeyStore(settings.data_dir / "keys"), None, clock, settings)
-    attach_deployments(app, deployments, broker=ingest, provisioner=provisioner)
+    attach_deployments(app, deployments, broker=ingest, provisioner=provisioner,
+                       sessions=sessions)
     app.on_cleanup.append(dispose)
     return app
 

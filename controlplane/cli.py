@@ -6,8 +6,8 @@
     mcp-controlplane serve --data-dir D [--listen HOST:PORT]
 
 With a broker admin configured, ``serve`` logs in to Mosquitto's dynamic-security plugin,
-gives enrolled devices real per-device credentials, provisions its own service account
-``svc-cp-{host}`` and ingests device telemetry with it; without one, enrollment can accept
+gives enrolled devices real per-device credentials, provisions its own service accounts
+``svc-cp-{host}-{id}`` (:mod:`controlplane.replica`) and ingests device telemetry with them; without one, enrollment can accept
 devices but not give them MQTT credentials, and there is no ingestion.
     mcp-controlplane login | users | tokens | devices | audit ...   (REST client, see cli_fleet)
     mcp-controlplane keys ... (local) | publishers | models ...    (see cli_repo)
@@ -24,9 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
-import secrets
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -213,14 +210,17 @@ def serve(data_dir: Path | None, database_url: str | None, listen: str | None) -
         raise click.ClickException(f"cannot listen on {settings.host}:{settings.port}: {e}") from e
 
 
-def service_name(hostname: str | None = None) -> str:
-    """This replica's broker identity: ``cp-{hostname}`` reduced to identifier characters,
-    or ``cp-{random}`` when the host name gives nothing usable."""
-    host = re.sub(r"[^A-Za-z0-9._-]+", "-", hostname or socket.gethostname()).strip(".-_")
-    return f"cp-{host[:60]}" if host else f"cp-{secrets.token_hex(4)}"
-
-
 async def _serve(settings: Settings, ready: Any) -> None:
+    from controlplane.replica import ServeLock, replica_name
+
+    # Before anything else: a second serve on this data dir must not reset the broker
+    # passwords the running one logs in with.
+    with ServeLock(settings.data_dir):
+        await _serve_locked(settings, ready, replica_name(
+            settings.data_dir, configured=settings.replica_name))
+
+
+async def _serve_locked(settings: Settings, ready: Any, name: str) -> None:
     from controlplane.app import UnconfiguredProvisioner
     from controlplane.app import serve as run_server
     from controlplane.broker.dynsec import DynsecProvisioner
@@ -245,9 +245,9 @@ async def _serve(settings: Settings, ready: Any) -> None:
         address.host, address.port, settings.broker_admin_user,
         settings.broker_admin_password(), ssl_context=ssl_context,
     ) as provisioner:
-        credentials = await provisioner.provision_service(service_name())
-        log.info("broker %s:%d: provisioning devices, ingesting as %s", address.host,
-                 address.port, credentials.username)
+        credentials = await provisioner.provision_service(name)
+        log.info("broker %s:%d: provisioning devices, replica %s ingesting as %s",
+                 address.host, address.port, name, credentials.username)
         await run_server(
             settings, provisioner, on_ready=ready,
             ingest=IngestConnection(address, credentials),

@@ -247,6 +247,11 @@ class IngestService:
         log.info("ingesting device telemetry from %s as %s", subscriber.where,
                  connection.credentials.username)
 
+    @property
+    def session(self) -> MqttSubscriber | None:
+        """The broker session while started (for readiness and metrics)."""
+        return self._subscriber
+
     async def stop(self) -> None:
         """Close the broker session, stop the tasks, and commit what is still buffered."""
         if self._subscriber is not None:

@@ -98,6 +98,12 @@ class ControlPlaneMetrics:
             registry=r,
         )
 
+        self.broker_session_up = Gauge(
+            "mcp_cp_broker_session_up",
+            "1 while the broker session is logged in and subscribed, 0 while it is not (a "
+            "refused login, an unreachable broker).", ["session"], registry=r,
+        )
+
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
         self.requests.labels(method, route, str(status)).inc()
         self.latency.labels(method, route).observe(seconds)

@@ -169,10 +169,27 @@ class MqttSubscriber:
         self._subscribe_mid: int | None = None
         self._keeper: asyncio.Task[None] | None = None
         self._closed = False
+        self._up = False
+        self._problem: str | None = "not started"
 
     @property
     def where(self) -> str:
         return f"{self._address.host}:{self._address.port}"
+
+    @property
+    def name(self) -> str:
+        """What the session is for (``ingest``, ``repository``, ``desired``): logs and metrics."""
+        return self._name
+
+    @property
+    def up(self) -> bool:
+        """Whether the session is logged in (and, with filters, subscribed) right now."""
+        return self._up and not self._closed
+
+    @property
+    def problem(self) -> str | None:
+        """Why the session is not up (a refused login, an unreachable broker); None when up."""
+        return None if self.up else (self._problem or "closed")
 
     async def __aenter__(self) -> MqttSubscriber:
         await self.start()
@@ -252,6 +269,7 @@ class MqttSubscriber:
             try:
                 await self._loop.run_in_executor(None, self._client.reconnect)
             except (OSError, ValueError) as e:
+                self._problem = f"cannot reach the broker at {self.where}: {e}"
                 log.warning("%s session: cannot reach the broker at %s (%s); retrying",
                             self._name, self.where, e)
 
@@ -330,6 +348,7 @@ class MqttSubscriber:
         self, client: mqtt.Client, _u: Any, _flags: Any, reason: ReasonCode, _p: Any
     ) -> None:
         if reason.is_failure:
+            self._up = False
             self._fail(f"the broker at {self.where} refused the login: {reason}")
             return
         if not self._filters:  # a publish-only session
@@ -354,6 +373,9 @@ class MqttSubscriber:
     def _on_disconnect(
         self, _c: mqtt.Client, _u: Any, _flags: Any, reason: ReasonCode, _p: Any
     ) -> None:
+        if self._up:  # a refused login already said why
+            self._problem = f"connection to the broker at {self.where} lost: {reason}"
+        self._up = False
         if not self._closed:
             log.warning("%s session to %s lost (%s); reconnecting", self._name, self.where,
                         reason)
@@ -462,12 +484,14 @@ class MqttSubscriber:
         return int(info.mid)
 
     def _ready(self) -> None:
+        self._up, self._problem = True, None
         if self._subscribed is not None and not self._subscribed.done():
             self._subscribed.set_result(None)
         else:
             log.info("%s session to %s restored and subscribed again", self._name, self.where)
 
     def _fail(self, message: str) -> None:
+        self._up, self._problem = False, message
         if self._subscribed is not None and not self._subscribed.done():
             self._subscribed.set_exception(MqttError(message))
         else:

@@ -20,8 +20,10 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     max_bundle_bytes = 2147483648               # cap on one uploaded .mcpb (POST /api/v1/bundles)
     desired_ttl_s = 604800                      # lifetime of a signed desired state (re-signed at half)
     repository_http = true                      # false: /repo/... answers 403 (MQTT only)
+    replica_name = "cp-east-1"                  # absent: cp-{host}-{id kept in the data dir}
 
-Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES`` and ``MCP_REPOSITORY_HTTP``.
+Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES``, ``MCP_REPOSITORY_HTTP`` and
+``MCP_REPLICA_NAME``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from controlplane.replica import valid_replica_name
 from shared.errors import McpError
 from shared.fsutil import atomic_write_bytes
 
@@ -105,6 +108,9 @@ class Settings:
     and hashed, not secret-keeping); False keeps model bytes to the devices' MQTT accounts."""
     max_bundle_bytes: int = 2 << 30
     desired_ttl_s: float = 7 * 86400.0
+    replica_name: str | None = None
+    """This replica's broker identity; None: ``cp-{host}-{id}``, the id kept in the data dir
+    (:mod:`controlplane.replica`)."""
 
     @property
     def broker_configured(self) -> bool:
@@ -234,6 +240,8 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             if not 600.0 <= ttl <= 365 * 86400.0:
                 raise ValueError("desired_ttl_s must be between 600 seconds and 365 days")
             changes["desired_ttl_s"] = ttl
+        if values.get("replica_name"):
+            changes["replica_name"] = valid_replica_name(str(values["replica_name"]))
     except (ValueError, TypeError) as e:
         raise SettingsError(f"{origin}: {e}") from e
     return replace(settings, **changes)
@@ -260,6 +268,7 @@ def load_settings(
         "timestamp_refresh_s": env.get("MCP_TIMESTAMP_REFRESH_S") or None,
         "max_bundle_bytes": env.get("MCP_MAX_BUNDLE_BYTES") or None,
         "repository_http": env.get("MCP_REPOSITORY_HTTP") or None,
+        "replica_name": env.get("MCP_REPLICA_NAME") or None,
     }
     settings = _apply(settings, from_env, "environment")
     return _apply(settings, overrides or {}, "command line")
@@ -299,6 +308,8 @@ def write_config_file(settings: Settings) -> Path:
     values["timestamp_refresh_s"] = settings.timestamp_refresh_s
     values["max_bundle_bytes"] = settings.max_bundle_bytes
     values["repository_http"] = settings.repository_http
+    if settings.replica_name:
+        values["replica_name"] = settings.replica_name
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
         f"{k} = {_toml_value(v)}\n" for k, v in values.items()
     )

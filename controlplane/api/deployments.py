@@ -308,6 +308,7 @@ def attach_deployments(
     *,
     broker: IngestConnection | None,
     provisioner: BrokerProvisioner,
+    sessions: list[MqttSubscriber] | None = None,
 ) -> None:
     """Store ``service`` in ``app[DEPLOYMENTS]``; at startup open its MQTT session (with its
     own service account, provisioned then) when ``broker`` is given, and start its background
@@ -315,7 +316,7 @@ def attach_deployments(
     disposal. Raises :class:`controlplane.mqtt.MqttError` at startup when the broker is unusable.
     """
     app[DEPLOYMENTS] = service
-    sessions: list[MqttSubscriber] = []
+    opened: list[MqttSubscriber] = []
 
     async def start(app: web.Application) -> None:
         if broker is None:
@@ -325,14 +326,16 @@ def attach_deployments(
             credentials = await provisioner.provision_service(name)
             session = MqttSubscriber(broker.address, credentials, [], name="desired")
             await session.start()
-            sessions.append(session)
+            opened.append(session)
+            if sessions is not None:
+                sessions.append(session)
             service.use_publisher(session)
         await service.start()
 
     async def stop(app: web.Application) -> None:
         await service.stop()
         service.use_publisher(None)
-        for session in sessions:
+        for session in opened:
             await session.close()
 
     app.on_startup.append(start)

@@ -192,6 +192,11 @@ class RepoMqttService:
         log.info("serving the repository %s over MQTT at %s as %s", self.files.root,
                  subscriber.where, connection.credentials.username)
 
+    @property
+    def session(self) -> MqttSubscriber | None:
+        """The broker session while started (for readiness and metrics)."""
+        return self._subscriber
+
     async def stop(self) -> None:
         """End the broker session and close open files. Safe to call twice."""
         if self._subscriber is not None:
