@@ -7,9 +7,11 @@ written in the same loop turn, with ``add_writer`` only while the socket is full
 thread runs. Only
 the blocking TCP/TLS connect runs in the default executor; the callbacks paho makes there cross
 into the loop with ``loop.call_soon_threadsafe``. TCP_NODELAY is set the moment the socket
-opens. Each QoS 1 publish and (un)subscribe waits on a future keyed by its packet id; the
-entry is removed when the future completes, and a lost connection fails them all with
-:class:`MqttConnectionLostError`. :class:`agent.fleet.mqtt.MqttClient` is the public face.
+opens; a socket that connected to itself (nothing listened on the broker's port and the kernel
+picked that port as our source: :mod:`shared.netutil`) is reset at once, never watched, and the
+connect fails with :class:`MqttConnectError`. Each QoS 1 publish and (un)subscribe waits on a
+future keyed by its packet id; the entry is removed when the future completes, and a lost
+connection fails them all with :class:`MqttConnectionLostError`. :class:`agent.fleet.mqtt.MqttClient` is the public face.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from agent.fleet.mqtt_types import (
     Subscription,
     set_tcp_nodelay,
 )
+from shared.netutil import close_with_reset, is_self_connected
 from shared.recvbuffer import ChunkedReads
 
 log = logging.getLogger("mcp.agent.mqtt")
@@ -62,6 +65,7 @@ class Connection:
         self.writing = False  # watching for writability: the socket's send buffer was full
         self._write_scheduled = False
         self.nodelay = False
+        self.self_connected = False  # set on the connect's executor thread, read after it
         self._misc_task: asyncio.Task[None] | None = None
         self.client = self._new_client()
 
@@ -82,9 +86,11 @@ class Connection:
             props.SessionExpiryInterval = s.session_expiry_s
         if s.max_packet_bytes:
             props.MaximumPacketSize = s.max_packet_bytes
+        bind_address, bind_port = s.source_address or ("", 0)
         connect = functools.partial(
             self.client.connect, s.host, s.port, keepalive=s.keepalive_s,
-            clean_start=s.clean_start, properties=props,
+            bind_address=bind_address, bind_port=bind_port, clean_start=s.clean_start,
+            properties=props,
         )  # fmt: skip
         where = f"{s.host}:{s.port}"
         try:
@@ -92,6 +98,16 @@ class Connection:
                 await self.loop.run_in_executor(None, connect)
             except (OSError, ssl.SSLError, ValueError) as e:
                 raise MqttConnectError(f"cannot connect to {where}: {e}") from e
+            if self.self_connected:
+                log.warning(
+                    "the connection to %s came back to its own socket: nothing listens "
+                    "there; the socket was reset and the connect counts as failed",
+                    where,
+                )
+                raise MqttConnectError(
+                    f"cannot connect to {where}: the socket connected to itself "
+                    "(source port = broker port, no broker listening)"
+                )
             self.flush()
             try:
                 session_present, rc = await asyncio.wait_for(
@@ -274,6 +290,11 @@ class Connection:
             self.loop.call_soon_threadsafe(fn, *args)
 
     def _opened(self, sock: Any) -> None:
+        if is_self_connected(sock):
+            # Reset, not closed: its TIME_WAIT would hold the broker's port for a minute.
+            self.self_connected = True
+            close_with_reset(sock)
+            return
         self.nodelay = set_tcp_nodelay(sock)
         self._in_loop(self._watch, sock.fileno())
 

@@ -5,7 +5,8 @@ Errors (nothing above :mod:`agent.fleet.mqtt` sees a paho exception)::
     McpError
     └── MqttError                    any MQTT transport problem
         ├── MqttConnectError         no connection: network error, TLS error, CONNACK refusal,
-        │                            no CONNACK in time (``reason_code`` when the broker said no)
+        │                            no CONNACK in time (``reason_code`` when the broker said no),
+        │                            the socket connected to itself (nothing listens there)
         ├── MqttConnectionLostError  not connected, or the connection dropped before the ack
         ├── MqttRefusedError         the broker refused a publish or a subscription (reason
         │                            code >= 0x80, e.g. not authorized): retrying will not help
@@ -94,6 +95,9 @@ class MqttSettings:
     """Maximum Packet Size sent in CONNECT: the broker drops bigger messages for us."""
     max_queued_messages: int = 10_000
     """Inbound messages waiting for :meth:`MqttClient.messages`; newer ones are dropped beyond."""
+    source_address: tuple[str, int] | None = None
+    """Local ``(address, port)`` to connect from (a device with several networks); port 0 or
+    None lets the kernel choose."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,91 @@
+"""TCP self-connect against a real Mosquitto: an agent reconnecting to a broker that is down can
+have its socket connected to itself (the kernel picked the broker's port as the source port).
+The agent must count that as a failed connect, reset the socket so its TIME_WAIT does not hold
+the port, and come online once the broker is back on that port.
+
+The self-connect is made deterministic by connecting *from* the broker's port
+(``MqttSettings.source_address``) while nothing listens there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agent.fleet.mqtt import MqttClient, MqttConnectError, MqttSettings
+from agent.fleet.session import FleetConfig, FleetSession
+from agent.fleet.spool import Spool
+from shared.netutil import free_port_below_ephemeral
+from tests.support.mosquitto import LOOPBACK, MosquittoBroker
+
+pytestmark = pytest.mark.mosquitto
+
+
+async def test_a_self_connect_fails_the_connect_and_leaves_the_port_to_the_broker(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port_below_ephemeral()
+    settings = MqttSettings(LOOPBACK, port, client_id="dev-self", source_address=(LOOPBACK, port))
+    client = MqttClient(settings)
+    with (
+        caplog.at_level(logging.INFO, logger="mcp.agent.mqtt"),
+        pytest.raises(MqttConnectError, match="connected to itself"),
+    ):
+        await client.connect()
+    assert not client.connected
+    assert "came back to its own socket" in caplog.text
+    assert "Unrecognised command" not in caplog.text  # it never read its own CONNECT
+    # A socket closed the usual way would sit in TIME_WAIT on this port for a minute, and the
+    # broker would fail to start with "Address already in use".
+    with MosquittoBroker(tmp_path, port=port) as broker:
+        client.settings = replace(settings, source_address=None)
+        await client.connect()
+        try:
+            assert client.connected
+            assert "dev-self" in broker.log_text()
+        finally:
+            await client.close()
+
+
+async def test_the_session_retries_after_a_self_connect_and_comes_online_on_that_port(
+    tmp_path: Path,
+) -> None:
+    port = free_port_below_ephemeral()
+    config = FleetConfig(
+        device_id="dev-self-retry", host=LOOPBACK, port=port,
+        health_interval_s=3600.0, inference_interval_s=3600.0,
+    )  # fmt: skip
+    settings = replace(config.mqtt_settings(), source_address=(LOOPBACK, port))
+    mqtt = MqttClient(settings)
+    failed, broker_up = asyncio.Event(), asyncio.Event()
+    retries = 0
+
+    async def between_attempts(_delay_s: float) -> None:
+        nonlocal retries
+        retries += 1
+        # Later attempts leave from a port the kernel picks, as a real retry does (a fixed
+        # source port could never reach a broker listening on that same port).
+        mqtt.settings = replace(settings, source_address=None)
+        failed.set()
+        await broker_up.wait()
+
+    session = FleetSession(
+        config, spool=Spool(tmp_path / "spool.db"), mqtt=mqtt, sleep=between_attempts
+    )
+    broker = MosquittoBroker(tmp_path, port=port)
+    await session.start()
+    try:
+        await asyncio.wait_for(failed.wait(), 20)
+        assert not session.online.is_set()
+        await asyncio.to_thread(broker.start)  # the port is free: no TIME_WAIT holds it
+        broker_up.set()
+        await session.wait_online(20)
+        assert (retries, session.connections) == (1, 1)
+        assert "dev-self-retry" in broker.log_text()
+    finally:
+        await session.close()
+        broker.stop()
