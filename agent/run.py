@@ -65,6 +65,7 @@ def fleet_attachment(
     health_interval_s: float,
     inference_interval_s: float,
     repo_url: str | None = None,
+    max_reply_bytes: int | None = None,
 ) -> Attach:
     """The ``attach`` hook for :func:`agent.serve.run_server` that runs the fleet session."""
     # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
@@ -104,6 +105,7 @@ def fleet_attachment(
             tls=ssl.create_default_context() if tls else None,
             health_interval_s=health_interval_s,
             inference_interval_s=inference_interval_s,
+            **({} if max_reply_bytes is None else {"max_reply_bytes": max_reply_bytes}),
         )
         from agent.update.updater import UpdateAgent
 
@@ -172,12 +174,16 @@ def _trust(state_dir: Path, trust: TrustRoot | None) -> tuple[list[PublicKey], b
               type=click.FloatRange(1, 86_400), help="Seconds between health samples.")
 @click.option("--stats-interval", default=60.0, show_default=True,
               type=click.FloatRange(1, 86_400), help="Seconds between inference statistics.")
+@click.option("--max-reply-mb", default=None, type=click.FloatRange(0.001, 32),
+              help="Largest inference answer sent over MQTT, in MiB (default 4: "
+                   "InferResponse.DEFAULT_MQTT_REPLY_BYTES); a bigger one becomes a too_large "
+                   "error reply. Application clients accept 4 MiB unless told more.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def run_command(
     model_path: Path | None, host: str, port: int, workers: int, state_dir: Path | None,
     trust_keys: tuple[Path, ...], health_interval: float, stats_interval: float, log_level: str,
-    repo_url: str | None,
+    repo_url: str | None, max_reply_mb: float | None,
 ) -> None:
     """Run enrolled: serve models locally and keep the fleet session to the broker.
 
@@ -196,6 +202,7 @@ def run_command(
         attach = fleet_attachment(
             state, health_interval_s=health_interval, inference_interval_s=stats_interval,
             repo_url=repo_url,
+            max_reply_bytes=None if max_reply_mb is None else int(max_reply_mb * 1024 * 1024),
         )
         keys = tuple(read_public_key(p) for p in trust_keys)
     except (McpError, ValueError) as e:

@@ -5,9 +5,17 @@
         resp.outputs[0].to_numpy()
 
 ``device=None`` sends to the fleet (``mcp/v1/fleet/infer/{model}``; one agent serving the model
-answers), ``device="dev-1"`` to one device. Replies come back on
-``mcp/v1/client/{client_id}/reply``, matched by MQTT 5 correlation data; the request carries a
-Message Expiry equal to its timeout, so a broker never delivers it after the caller gave up.
+answers), ``device="dev-1"`` to one device. Replies come back on this client's session reply
+topic ``mcp/v1/client/{client_id}/reply/{token}`` (``token`` drawn at random per client, so
+only a device that was sent one of our requests knows where to answer), matched by MQTT 5
+correlation data; the request carries a Message Expiry equal to its timeout, so a broker never
+delivers it after the caller gave up.
+
+Replies are untrusted: one on another topic, one whose correlation data is not that of a
+request still waiting (a spoofed, late or repeated reply) is never handed to a caller; it is
+counted in :attr:`InferenceClient.dropped_replies` and logged. The client announces a Maximum
+Packet Size of ``max_reply_bytes`` (default 4 MiB, the agents' default reply cap) plus room for
+the headers, so the broker drops a bigger reply instead of delivering it.
 
 Errors (all :class:`InferenceClientError`)::
 
@@ -21,10 +29,12 @@ Errors (all :class:`InferenceClientError`)::
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import secrets
 import ssl
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -52,7 +62,11 @@ from shared.protocol import (
     validate,
 )
 
+log = logging.getLogger("mcp.agent.client")
+
 REPLY_GRACE_S = 1.0
+REPLY_HEADER_BYTES = 64 * 1024
+"""Room for a reply's fixed header, topic and properties above its payload cap."""
 InputsLike = InferRequest | Sequence[InferTensor] | Mapping[str, Any] | bytes
 
 
@@ -132,9 +146,16 @@ class InferenceClient:
         qos: int = 1,
         keepalive_s: int = 30,
         connect_timeout_s: float = 10.0,
+        max_reply_bytes: int = InferResponse.DEFAULT_MQTT_REPLY_BYTES,
     ) -> None:
+        """``max_reply_bytes``: the largest reply payload accepted (bytes; raise it together
+        with the agents' ``--max-reply-mb``). Raises :class:`TopicError` for a bad client id."""
         self.client_id = topics.validate_id(client_id or f"app-{secrets.token_hex(6)}", "client id")
-        self.reply_topic = topics.client_reply(self.client_id)
+        self.reply_topic = str(topics.ClientReplyTopic.new(self.client_id))
+        """This client's session reply topic; its token is secret to it and the agents asked."""
+        self.dropped_replies: Counter[str] = Counter()
+        """Replies never handed to a caller, by reason: ``foreign_topic``, ``unmatched``
+        (correlation data of no waiting request: spoofed, or after its timeout), ``duplicate``."""
         self.qos = qos
         self.mqtt = MqttClient(
             MqttSettings(
@@ -148,6 +169,7 @@ class InferenceClient:
                 clean_start=True,
                 session_expiry_s=0,
                 connect_timeout_s=connect_timeout_s,
+                max_packet_bytes=max_reply_bytes + REPLY_HEADER_BYTES,
             )
         )
         self._waiting: dict[bytes, asyncio.Future[InboundMessage]] = {}
@@ -175,9 +197,28 @@ class InferenceClient:
         await self.close()
 
     def _on_reply(self, msg: InboundMessage) -> None:
+        """Resolve the waiting request whose correlation data ``msg`` carries; drop the rest."""
+        if msg.topic != self.reply_topic:
+            self._drop_reply("foreign_topic", msg)
+            return
         fut = self._waiting.get(msg.correlation_data or b"")
-        if fut is not None and not fut.done():
+        if fut is None:
+            self._drop_reply("unmatched", msg)
+        elif fut.done():
+            self._drop_reply("duplicate", msg)
+        else:
             fut.set_result(msg)
+
+    def _drop_reply(self, reason: str, msg: InboundMessage) -> None:
+        self.dropped_replies[reason] += 1
+        count = self.dropped_replies[reason]
+        # Log the 1st, 2nd, 4th, 8th... of each reason: a flood of spoofed replies must not
+        # become a flood of log lines, yet each kind shows up at once.
+        if count & (count - 1) == 0:
+            log.warning(
+                "dropped a reply on %.120s: %s (%d so far; mcp-device %.64s)",
+                msg.topic, reason, count, msg.user_property("mcp-device") or "not given",
+            )  # fmt: skip
 
     async def infer(
         self,

@@ -11,13 +11,16 @@ properties play the part of the HTTP headers:
 The reply goes to the request's MQTT 5 Response Topic with its Correlation Data copied, at the
 request's QoS (at most 1), with user properties ``mcp-status`` (the HTTP status the same
 request gets from the HTTP API) and ``mcp-device``. (No Content Type: every body is JSON, and
-each MQTT 5 property costs paho tens of µs to parse on the receiving side.) Success is the Open Inference Protocol
-response; every failure is a structured error, byte for byte what HTTP answers
-(``{"error", "code", "retry_after_s"?}``): unknown model → ``not_found``, bad shape or body →
-``bad_request``, body over the cap → ``too_large``, full queue → ``overloaded`` with
-``retry_after_s``, deadline → ``timeout``. Never silence, except for a request that names no
-Response Topic, or one outside ``mcp/v1/client/{id}/reply`` (a request must not make a device
-publish where it likes): those are counted and dropped with a log line.
+each MQTT 5 property costs paho tens of µs to parse on the receiving side.) Success is the
+Open Inference Protocol response; every failure is a structured error, byte for byte what
+HTTP answers (``{"error", "code", "retry_after_s"?}``): unknown model → ``not_found``, bad
+shape or body → ``bad_request``, body over the cap → ``too_large``, full queue →
+``overloaded`` with ``retry_after_s``, deadline → ``timeout``, an answer over
+``max_reply_bytes`` (default :attr:`InferResponse.DEFAULT_MQTT_REPLY_BYTES`, 4 MiB) →
+``too_large`` naming both sizes, sent instead of the answer. Never silence, except for a request that names no Response Topic, or
+one that is not a session reply topic ``mcp/v1/client/{id}/reply/{token}`` (a request must not
+make a device publish where it likes, and the broker lets devices answer on nothing else):
+those are counted and dropped with a log line.
 """
 
 from __future__ import annotations
@@ -37,12 +40,21 @@ from agent.runtime.manager import LoadedVersion, ModelManager
 from agent.runtime.runner import Array
 from agent.tensor_io import decode_feeds, encode_response, output_names
 from shared.errors import MessageError, TopicError
-from shared.protocol import ErrorCode, ErrorReply, InferRequest, encode, loads, topics
+from shared.protocol import (
+    ErrorCode,
+    ErrorReply,
+    InferRequest,
+    InferResponse,
+    encode,
+    loads,
+    topics,
+)
 
 log = logging.getLogger("mcp.agent.mqtt_inference")
 
 SHARE_GROUP = "agents"
 DEFAULT_MAX_REQUEST_BYTES = InferRequest.MAX_BYTES
+DEFAULT_MAX_REPLY_BYTES = InferResponse.DEFAULT_MQTT_REPLY_BYTES
 _MAX_ERROR_TEXT = 2000
 
 
@@ -123,14 +135,25 @@ class MqttInference:
         metrics: FleetMetrics,
         stats: InferenceStatsCollector | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         max_pending: int = 256,
     ) -> None:
+        """``max_request_bytes`` caps a request body, ``max_reply_bytes`` an answer (bytes).
+
+        Raises :class:`ValueError` when ``max_reply_bytes`` is not in 1 KiB ..
+        ``InferResponse.MAX_BYTES`` (an error reply must fit; clients decode no more).
+        """
+        if not 1024 <= max_reply_bytes <= InferResponse.MAX_BYTES:
+            raise ValueError(
+                f"max_reply_bytes must be in 1024..{InferResponse.MAX_BYTES}, not {max_reply_bytes}"
+            )
         self.manager = manager
         self.device_id = topics.validate_id(device_id, "device id")
         self.mqtt = mqtt
         self.metrics = metrics
         self.stats = stats
         self.max_request_bytes = max_request_bytes
+        self.max_reply_bytes = max_reply_bytes
         self.max_pending = max_pending
         self.counters = InferenceCounters()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -153,7 +176,7 @@ class MqttInference:
         if not isinstance(reply_to, topics.ClientReplyTopic):
             self._drop(
                 "bad_response_topic",
-                f"Response Topic {msg.response_topic!r:.100} is not a client reply topic",
+                f"Response Topic {msg.response_topic!r:.100} is not a client session reply topic",
                 msg.topic,
             )
             return
@@ -220,6 +243,7 @@ class MqttInference:
             )
             names = output_names(outputs, wanted, answered.output_names)
             body = encode_response(answered.name, answered.version, rid, outputs, names)
+            self._check_reply_size(model, len(body))
         except Exception as e:
             err = classify(e)
             if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
@@ -240,6 +264,20 @@ class MqttInference:
         if self.stats is not None:
             self.stats.record(answered.name, answered.version, elapsed, Outcome.OK)
         return body, None
+
+    def _check_reply_size(self, model: str, size: int) -> None:
+        """Raises :class:`ApiError` (too_large) when an answer of ``size`` bytes is over the cap."""
+        if size <= self.max_reply_bytes:
+            return
+        log.warning(
+            "answer of %s is %d bytes, over the %d-byte MQTT reply limit: sent an error instead",
+            model, size, self.max_reply_bytes,
+        )  # fmt: skip
+        raise ApiError(
+            ErrorCode.TOO_LARGE,
+            f"reply too large: the answer is {size} bytes, the limit for MQTT replies is "
+            f"{self.max_reply_bytes} bytes; ask for fewer rows or outputs per request",
+        )
 
     def _parse(self, msg: InboundMessage) -> Any:
         """Size and JSON checks, each counted as a bad message when it fails."""

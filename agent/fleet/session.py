@@ -47,7 +47,12 @@ from agent.fleet.mqtt import (
     Subscription,
     Will,
 )
-from agent.fleet.mqtt_inference import MqttInference, device_infer_filter, fleet_infer_filter
+from agent.fleet.mqtt_inference import (
+    DEFAULT_MAX_REPLY_BYTES,
+    MqttInference,
+    device_infer_filter,
+    fleet_infer_filter,
+)
 from agent.fleet.outbox import Outbox
 from agent.fleet.spool import Spool, SpoolKind
 from agent.fleet.telemetry import HealthCollector, InferenceStatsCollector
@@ -96,6 +101,10 @@ class FleetConfig:
     stable_after_s: float = 30.0
     share_group: str = "agents"
     max_infer_bytes: int = 8 * 1024 * 1024
+    """Largest inference request body answered over MQTT (bytes); bigger ones get too_large."""
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
+    """Largest inference answer sent over MQTT (bytes, 1 KiB to 32 MiB); a bigger one is
+    replaced by a too_large error reply. Application clients accept the same default."""
     max_desired_bytes: int = 512 * 1024
     max_command_bytes: int = 64 * 1024
     drain_batch: int = 64
@@ -170,6 +179,7 @@ class FleetSession:
                 metrics=self.metrics,
                 stats=self.stats,
                 max_request_bytes=config.max_infer_bytes,
+                max_reply_bytes=config.max_reply_bytes,
             )
             if manager is not None
             else None

@@ -6,10 +6,11 @@ Three kinds of account, each bound to one MQTT client id::
     device   dev-{device}      {device}     device-{device}     its own topics, literal; fleet
                                                                 inference (shared subscription);
                                                                 replies to application clients
+                                                                on token-suffixed topics only
     service  svc-{name}        {name}       controlplane        every device topic, shared
                                                                 subscriptions in any group
     app      app-{client}      {client}     app-{client}        inference requests; its own
-                                                                reply topic
+                                                                reply topics
 
 Device roles are literal topic lists because Debian's Mosquitto 2.0.x does not expand
 ``%c``/``%u`` in dynamic-security ACLs. The broker's default ACL access is deny for all four
@@ -22,6 +23,12 @@ whole ``$share/{group}/{filter}`` string, and ``publishClientReceive`` against e
 message's plain topic. Granting ``{filter}`` does not allow ``$share/{group}/{filter}`` and
 vice versa, so a device may take fleet requests only through the one share group (it cannot
 read every request by subscribing without ``$share``).
+
+Replies to applications: a device may publish on ``mcp/v1/client/+/reply/+`` and never on a
+bare ``.../reply``. The last level is the token an application client draws for its session
+(:class:`shared.protocol.topics.ClientReplyTopic`) and the only topic it subscribes to, so a
+device can reach an application only on a topic it was sent in a request. The broker cannot
+tell a real token from a guess; the token's 128 random bits do.
 
 Every topic and filter comes from :mod:`shared.protocol.topics`; where a level must be ``+``
 it is built there with a placeholder identifier and widened at a fixed position.
@@ -158,7 +165,8 @@ def device_acls(device_id: str, *, share_group: str = DEFAULT_FLEET_SHARE_GROUP)
     """The ACLs of ``device_id``'s role: its own topics spelled out literally.
 
     Publishes its status, reported state, events, telemetry, command replies and repository
-    requests, and replies to any application client; reads its desired state, commands, its
+    requests, and replies on token-suffixed application reply topics
+    (:func:`client_reply_filter`); reads its desired state, commands, its
     own inference requests, repository replies, and fleet inference requests through
     ``$share/{share_group}/mcp/v1/fleet/infer/+``.
     """
@@ -204,11 +212,12 @@ def service_acls() -> tuple[Acl, ...]:
 
 def app_client_acls(client_id: str) -> tuple[Acl, ...]:
     """The ACLs of an application client: send inference requests to the fleet or to any
-    device, and read replies on its own reply topic only."""
+    device, and read replies on its own reply topics only (``mcp/v1/client/{client_id}/reply/+``,
+    any session token)."""
     return (
         Acl(AclType.PUBLISH_SEND, fleet_infer_filter()),
         Acl(AclType.PUBLISH_SEND, topics.all_devices(Channel.INFER)),
-        *_reader(topics.client_reply(client_id)),
+        *_reader(topics.client_replies(client_id)),
     )
 
 
@@ -239,8 +248,9 @@ def fleet_infer_filter() -> str:
 
 
 def client_reply_filter() -> str:
-    """``mcp/v1/client/+/reply``: every application client's reply topic."""
-    return _widen(topics.client_reply(_ANY), -2)
+    """``mcp/v1/client/+/reply/+``: every application client session's reply topic (never the
+    bare ``.../reply``, which no client subscribes to)."""
+    return _widen(topics.client_replies(_ANY), -3)
 
 
 def _widen(topic: str, level: int) -> str:

@@ -145,6 +145,9 @@ class InferResponse(Message):
     """Reply to an :class:`InferRequest`."""
 
     MAX_BYTES: ClassVar[int] = 32 * 1024 * 1024
+    DEFAULT_MQTT_REPLY_BYTES: ClassVar[int] = 4 * 1024 * 1024
+    """Default cap on one reply an agent sends over MQTT and an application client accepts
+    (a classification or detection answer is a few KiB); configurable up to ``MAX_BYTES``."""
 
     model_name: Identifier
     model_version: str | None = Field(default=None, max_length=128)

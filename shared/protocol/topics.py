@@ -15,11 +15,18 @@ by side during an upgrade)::
     mcp/v1/dev/{device}/repo/reply           repository replies (CP → dev)
     mcp/v1/fleet/infer/{model}               fleet-wide inference, load-balanced through
                                              $share/{group}/mcp/v1/fleet/infer/{model}
-    mcp/v1/client/{client}/reply             where application clients receive inference replies
+    mcp/v1/client/{client}/reply/{token}     where one application client session receives
+                                             inference replies
 
 Everything that carries a reply uses the MQTT 5 response topic and correlation data; the
 ``.../reply`` topics above are conventions for who may subscribe where, so per-device ACLs can
 be literal topic lists (Mosquitto 2.0's dynsec does not expand ``%c``/``%u``).
+
+Devices may publish on every ``mcp/v1/client/+/reply/+``, so what keeps one device from
+answering requests it never received is the ``{token}``: an unguessable value the application
+client draws for its session (:meth:`ClientReplyTopic.new`) and subscribes to alone. Only a
+device that was sent a request knows it. Tokens are 22-64 characters of the URL-safe base64
+alphabet ``[A-Za-z0-9_-]`` (at least 128 random bits); a reply topic without one does not parse.
 
 Identifiers (device ids, model names, client ids, share groups) are 1-64 characters of
 ``[A-Za-z0-9._-]`` starting with a letter or digit: never ``/``, ``+``, ``#``, ``$``, spaces or
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import re
+import secrets
 from dataclasses import dataclass
 
 from shared.errors import TopicError
@@ -38,6 +46,9 @@ PREFIX = "mcp/v1"
 SHARE_PREFIX = "$share"
 MAX_TOPIC_LENGTH = 512
 _IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_REPLY_TOKEN = re.compile(r"[A-Za-z0-9_-]{22,64}")
+REPLY_TOKEN_BYTES = 16
+"""Random bytes in a new reply token: ``secrets.token_urlsafe(16)`` is 22 characters."""
 
 
 def validate_id(value: str, what: str = "identifier") -> str:
@@ -119,17 +130,40 @@ class FleetInferTopic:
         return shared_subscription(group, str(self))
 
 
+def validate_reply_token(value: str) -> str:
+    """Return ``value`` if it is a valid reply token (see the module docstring).
+
+    Raises :class:`TopicError` otherwise, without echoing more than a few characters of it.
+    """
+    if not isinstance(value, str) or _REPLY_TOKEN.fullmatch(value) is None:
+        raise TopicError(
+            f"invalid reply token {value!r:.12}: use 22-64 characters of A-Z a-z 0-9 _ -"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class ClientReplyTopic:
-    """``mcp/v1/client/{client}/reply``: where an application client takes its replies."""
+    """``mcp/v1/client/{client}/reply/{token}``: where one session of an application client
+    takes its replies. ``token`` is the session's unguessable suffix.
+
+    Raises :class:`TopicError` for an invalid client id or token.
+    """
 
     client_id: str
+    token: str
 
     def __post_init__(self) -> None:
         validate_id(self.client_id, "client id")
+        validate_reply_token(self.token)
+
+    @classmethod
+    def new(cls, client_id: str) -> ClientReplyTopic:
+        """A reply topic for a new session of ``client_id`` with a fresh random token."""
+        return cls(client_id, secrets.token_urlsafe(REPLY_TOKEN_BYTES))
 
     def __str__(self) -> str:
-        return f"{PREFIX}/client/{self.client_id}/reply"
+        return f"{PREFIX}/client/{self.client_id}/reply/{self.token}"
 
 
 Topic = DeviceTopic | FleetInferTopic | ClientReplyTopic
@@ -180,8 +214,13 @@ def fleet_infer(model: str) -> str:
     return str(FleetInferTopic(model))
 
 
-def client_reply(client_id: str) -> str:
-    return str(ClientReplyTopic(client_id))
+def client_reply(client_id: str, token: str) -> str:
+    return str(ClientReplyTopic(client_id, token))
+
+
+def client_replies(client_id: str) -> str:
+    """``mcp/v1/client/{client}/reply/+``: the reply topics of every session of one client."""
+    return f"{PREFIX}/client/{validate_id(client_id, 'client id')}/reply/+"
 
 
 def shared_subscription(group: str, topic_filter: str) -> str:
@@ -281,6 +320,8 @@ def parse(topic: str) -> Topic:
             return DeviceTopic(device_id, ch)
         case ["fleet", "infer", model]:
             return FleetInferTopic(model)
-        case ["client", client_id, "reply"]:
-            return ClientReplyTopic(client_id)
+        case ["client", client_id, "reply", token]:
+            return ClientReplyTopic(client_id, token)
+        case ["client", _client_id, "reply"]:
+            raise TopicError(f"client reply topic {topic!r:.80} has no session token level")
     raise TopicError(f"unknown topic {topic!r:.80}")

@@ -100,7 +100,7 @@ async def test_create_shows_the_password_once_then_list_and_revoke_with_audit(
     created = await _create(cp, "line-a-dashboard", description="line A dashboard")
     assert created["password"] == "pw-app" and created["username"] == "line-a-dashboard"
     assert created["broker_urls"] == [BROKER_URL]
-    assert created["reply_topic"] == "mcp/v1/client/line-a-dashboard/reply"
+    assert created["reply_topic"] == "mcp/v1/client/line-a-dashboard/reply/+"
     assert created["state"] == "active" and created["created_by"] == "admin"
 
     listed = (await _apps(cp))["line-a-dashboard"]
@@ -230,16 +230,19 @@ async def test_an_account_made_through_the_api_works_at_the_broker_until_revoked
 
         app = await mqtt_probe(broker, _credentials(a))
         await mqtt_probe(broker, _credentials(a), client_id=b_id, expect=NOT_AUTHORIZED)
-        assert await app.subscribe(topics.client_reply(b_id)) == NOT_AUTHORIZED
-        assert await app.subscribe(topics.client_reply(a_id)) == "Granted QoS 1"
+        sessions = {cid: str(topics.ClientReplyTopic.new(cid)) for cid in (b_id, a_id)}
+        assert await app.subscribe(b["reply_topic"]) == NOT_AUTHORIZED
+        assert await app.subscribe(sessions[b_id]) == NOT_AUTHORIZED
+        assert await app.subscribe(a["reply_topic"]) == "Granted QoS 1"
         assert not (await app.publish(topics.fleet_infer(model), b"request")).is_failure
         request = await device.next_message()
         assert (request.topic, request.payload) == (topics.fleet_infer(model), b"request")
 
-        for client_id in (b_id, a_id):
-            reply = topics.client_reply(client_id)
+        bare = f"mcp/v1/client/{a_id}/reply"
+        assert await device.publish(bare, b"flood") == NOT_AUTHORIZED
+        for client_id, reply in sessions.items():
             assert not (await device.publish(reply, f"for {client_id}".encode())).is_failure
-        (only,) = await _messages_until(app, topics.client_reply(a_id))
+        (only,) = await _messages_until(app, sessions[a_id])
         assert only.payload == f"for {a_id}".encode()
 
         status, revoked = await cp.call("DELETE", f"/api/v1/apps/{a_id}")
@@ -270,7 +273,7 @@ def test_the_cli_creates_lists_and_revokes_app_accounts(tmp_path: Path) -> None:
 
         created = run("create", "dash-1", "--description", "line A dashboard").stdout
         assert "password     pw-app" in created and "shown only now" in created
-        assert "mcp/v1/client/dash-1/reply" in created
+        assert "mcp/v1/client/dash-1/reply/+" in created
         line = next(s.strip() for s in created.splitlines() if "mcp-agent infer" in s)
         words = shlex.split(line)
         assert words[0] == "MCP_MQTT_PASSWORD=pw-app"

@@ -102,7 +102,9 @@ async def test_a_device_cannot_subscribe_to_other_devices_or_broad_filters(
         topics.shared_subscription("agents", topics.all_devices(Channel.TELEMETRY)),
         topics.fleet_infer("digits"),  # fleet requests only through the share group
         FleetInferTopic("digits").shared("other-group"),
-        topics.client_reply("some-app"),
+        str(topics.ClientReplyTopic.new("some-app")),  # devices answer applications, never read
+        topics.client_replies("some-app"),
+        client_reply_filter(),
         "mcp/#",
         "#",
         "$CONTROL/#",
@@ -245,7 +247,8 @@ async def test_fleet_requests_reach_exactly_one_device_and_replies_reach_the_app
         for device_id in (a_id, b_id)
     }
     app = await mqtt_probe(dynsec_broker, await provisioner.provision_app_client(app_id))
-    assert await app.subscribe(topics.client_reply(app_id)) == "Granted QoS 1"
+    reply = str(topics.ClientReplyTopic.new(app_id))
+    assert await app.subscribe(reply) == "Granted QoS 1"
     for device_id, device in devices.items():
         assert await device.subscribe(FleetInferTopic("digits").shared()) == "Granted QoS 1"
         assert await device.subscribe(device_infer_filter(device_id)) == "Granted QoS 1"
@@ -263,7 +266,6 @@ async def test_fleet_requests_reach_exactly_one_device_and_replies_reach_the_app
     assert sorted(served[a_id] + served[b_id]) == sorted(requests)  # each exactly once
     assert served[a_id] and served[b_id]  # and spread over both
 
-    reply = topics.client_reply(app_id)
     assert not (await devices[a_id].publish(reply, b"answer")).is_failure
     assert (await app.next_message()).payload == b"answer"
     for device in devices.values():  # the unsubscribe ACL names the $share form too
@@ -278,23 +280,57 @@ async def test_an_app_client_reads_only_its_own_replies(
     app = await mqtt_probe(dynsec_broker, await provisioner.provision_app_client(app_id))
     await provisioner.provision_app_client(other_id)
 
+    sessions = {cid: topics.ClientReplyTopic.new(cid) for cid in (other_id, app_id)}
     for topic_filter in (
-        topics.client_reply(other_id),
+        str(sessions[other_id]),
+        topics.client_replies(other_id),
         client_reply_filter(),
+        f"mcp/v1/client/{app_id}/reply",  # the bare topic is no reply topic any more
         topics.device_subtree(a_id),
         topics.fleet_infer("digits"),
         "#",
     ):
         assert await app.subscribe(topic_filter) == NOT_AUTHORIZED, topic_filter
-    assert await app.subscribe(topics.client_reply(app_id)) == "Granted QoS 1"
+    assert await app.subscribe(topics.client_replies(app_id)) == "Granted QoS 1"
     assert await app.publish(topics.desired(a_id), b"forged") == NOT_AUTHORIZED
+    assert await app.publish(str(sessions[app_id]), b"forged") == NOT_AUTHORIZED
     assert not (await app.publish(topics.device_infer(a_id, "digits"), b"req")).is_failure
 
-    for client_id in (other_id, app_id):
-        topic = topics.client_reply(client_id)
-        assert not (await device.publish(topic, f"for {client_id}".encode())).is_failure
-    (only,) = await _messages_until(app, topics.client_reply(app_id))
+    for client_id, session in sessions.items():
+        assert not (await device.publish(str(session), f"for {client_id}".encode())).is_failure
+    (only,) = await _messages_until(app, str(sessions[app_id]))
     assert only.payload == f"for {app_id}".encode()
+
+
+async def test_a_device_reaches_an_app_only_on_the_reply_topic_its_request_named(
+    dynsec_broker: DynsecMosquittoBroker, provisioner: DynsecProvisioner, mqtt_probe: ProbeFactory
+) -> None:
+    a_id, app_id, other_id = _ids("a", "app", "other")
+    device = await mqtt_probe(dynsec_broker, await provisioner.provision_device(a_id))
+    apps = {
+        cid: await mqtt_probe(dynsec_broker, await provisioner.provision_app_client(cid))
+        for cid in (app_id, other_id)
+    }
+    # What an InferenceClient does: subscribe to its own session's reply topic and nothing else.
+    sessions = {client_id: topics.ClientReplyTopic.new(client_id) for client_id in apps}
+    for client_id, app in apps.items():
+        assert await app.subscribe(str(sessions[client_id])) == "Granted QoS 1"
+
+    for client_id in apps:
+        bare = f"mcp/v1/client/{client_id}/reply"
+        assert await device.publish(bare, b"flood") == NOT_AUTHORIZED, bare
+        deeper = f"{sessions[client_id]}/deeper"
+        assert await device.publish(deeper, b"flood") == NOT_AUTHORIZED, deeper
+        # A token the device was never sent: the broker takes the message, nobody receives it.
+        guessed = str(topics.ClientReplyTopic.new(client_id))
+        assert not (await device.publish(guessed, b"guessed")).is_failure
+    for client_id in apps:
+        topic = str(sessions[client_id])
+        assert not (await device.publish(topic, f"for {client_id}".encode())).is_failure
+
+    for client_id, app in apps.items():
+        (only,) = await _messages_until(app, str(sessions[client_id]))
+        assert only.payload == f"for {client_id}".encode()
 
 
 async def test_the_service_reads_every_device_and_writes_desired_state(

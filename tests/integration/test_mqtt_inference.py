@@ -133,6 +133,7 @@ async def test_reply_echoes_correlation_data_and_carries_status(
     digits: DigitsModels, digits_agent: Any, mosquitto: MosquittoBroker
 ) -> None:
     replies: list[InboundMessage] = []
+    reply_topic = str(topics.ClientReplyTopic.new("raw-app"))
     async with MqttClient(
         MqttSettings(
             mosquitto.host,
@@ -142,7 +143,7 @@ async def test_reply_echoes_correlation_data_and_carries_status(
             session_expiry_s=0,
         )
     ) as raw:
-        await raw.subscribe(topics.client_reply("raw-app"))
+        await raw.subscribe(reply_topic)
         reader = asyncio.create_task(_collect(raw, replies))
         body = json.dumps(v2_body(digits.X_test[:1])).encode()
         for i, corr in enumerate([b"\x00\x01binary", b"second"]):
@@ -150,7 +151,7 @@ async def test_reply_echoes_correlation_data_and_carries_status(
                 topics.device_infer("dev-inf", "digits"),
                 body,
                 1,
-                response_topic=topics.client_reply("raw-app"),
+                response_topic=reply_topic,
                 correlation_data=corr,
             )
             await until(lambda n=i: len(replies) == n + 1)
@@ -315,16 +316,122 @@ async def test_requests_without_a_usable_response_topic_are_counted_and_dropped(
         )
     ) as raw:
         await raw.publish(topics.device_infer("dev-inf", "digits"), body, 1)
-        await raw.publish(
-            topics.fleet_infer("digits"), body, 1, response_topic=topics.desired("dev-other")
-        )
+        not_session_replies = [
+            topics.desired("dev-other"),
+            "mcp/v1/client/no-reply/reply",  # bare: any device could answer there
+            "mcp/v1/client/no-reply/reply/short",  # a token too short to be unguessable
+        ]
+        for response_topic in not_session_replies:
+            await raw.publish(topics.fleet_infer("digits"), body, 1, response_topic=response_topic)
     await until(
         lambda: (
             session.metrics.dropped[("infer", "no_response_topic")] == 1
-            and session.metrics.dropped[("infer", "bad_response_topic")] == 1
+            and session.metrics.dropped[("infer", "bad_response_topic")] == 3
         )
     )
+    assert session.inference.counters.dropped == 4
+    assert session.inference.counters.answered_ok == 0
     assert (await client.infer("digits", {"input": digits.X_test[:1]})).model_name == "digits"
+
+
+@asynccontextmanager
+async def fake_device(broker: MosquittoBroker, device_id: str) -> AsyncIterator[MqttClient]:
+    """A device that answers by hand: subscribed to its ``digits`` request topic."""
+    settings = MqttSettings(
+        broker.host, broker.port, client_id=device_id, clean_start=True, session_expiry_s=0
+    )
+    async with MqttClient(settings) as raw:
+        await raw.subscribe(topics.device_infer(device_id, "digits"))
+        yield raw
+
+
+async def _next(raw: MqttClient) -> InboundMessage:
+    return await asyncio.wait_for(anext(raw.messages()), 10)
+
+
+ANSWER = b'{"model_name": "digits", "outputs": []}'
+
+
+async def test_the_client_drops_replies_it_did_not_ask_for_and_still_gets_the_real_one(
+    mosquitto: MosquittoBroker, client: InferenceClient
+) -> None:
+    # A device that saw one of the client's requests knows its reply topic; it must still not
+    # be able to answer for another request, nor reach the client on another topic.
+    other_session = str(topics.ClientReplyTopic.new(client.client_id))
+    await client.mqtt.subscribe(other_session)  # as if the application listened there too
+    async with fake_device(mosquitto, "dev-spoof") as device:
+        pending = asyncio.create_task(
+            client.infer_raw("digits", b"{}", device="dev-spoof", timeout_s=10)
+        )
+        request = await _next(device)
+        assert request.response_topic == client.reply_topic
+        real = request.correlation_data
+        assert real is not None and len(real) == 16
+        await device.publish(client.reply_topic, b"spoofed", 1, correlation_data=b"f" * 16)
+        await device.publish(client.reply_topic, b"spoofed", 1)  # no correlation data at all
+        await device.publish(other_session, b"spoofed", 1, correlation_data=real)
+        await device.publish(client.reply_topic, ANSWER, 1, correlation_data=real)
+        reply = await pending
+    # One publisher's messages arrive in order: every spoof was seen before the real reply.
+    assert reply.payload == ANSWER and parse_reply(reply).model_name == "digits"
+    assert client.dropped_replies == {"unmatched": 2, "foreign_topic": 1}
+
+
+async def test_the_client_never_receives_a_reply_over_its_size_limit(
+    mosquitto: MosquittoBroker,
+) -> None:
+    limit = 64 * 1024
+    async with (
+        InferenceClient(mosquitto.host, mosquitto.port, max_reply_bytes=limit) as small,
+        fake_device(mosquitto, "dev-flood") as device,
+    ):
+        pending = asyncio.create_task(small.infer_raw("digits", b"{}", device="dev-flood"))
+        request = await _next(device)
+        corr = request.correlation_data
+        flood = b" " * (limit + 128 * 1024)  # well past the payload limit and the header room
+        await device.publish(small.reply_topic, flood, 1, correlation_data=corr)
+        await device.publish(small.reply_topic, ANSWER, 1, correlation_data=corr)
+        reply = await pending
+    # The broker dropped the flood instead of delivering it (the client's Maximum Packet Size).
+    assert reply.payload == ANSWER
+
+
+async def test_an_answer_over_the_reply_limit_becomes_a_too_large_error_reply(
+    mosquitto: MosquittoBroker, digits: DigitsModels, tmp_path: Path, client: InferenceClient
+) -> None:
+    manager = await digits_manager(digits)
+    limit = 4096
+    x = digits.X_test[:200].astype(np.float32)
+    try:
+        async with running_session(
+            mosquitto, manager, tmp_path, "dev-cap", max_reply_bytes=limit
+        ) as session:
+            with pytest.raises(InferenceReplyError) as info:
+                await client.infer("digits", {"input": x}, device="dev-cap")
+            one = await client.infer("digits", {"input": x[:1]}, device="dev-cap")
+    finally:
+        await manager.close()
+    error = info.value.reply
+    assert info.value.code is ErrorCode.TOO_LARGE and info.value.device == "dev-cap"
+    assert f"the limit for MQTT replies is {limit} bytes" in error.error, error
+    size = int(error.error.split("the answer is ")[1].split(" bytes")[0])
+    assert size > limit
+    assert int(scores(one).argmax(1)[0]) == int(onnx_predict(digits.onnx_path, x[:1]).argmax(1)[0])
+    assert session.inference.counters.answered_error == 1
+    assert session.inference.counters.answered_ok == 1
+
+
+async def test_the_reply_limit_must_leave_room_for_an_error_and_stay_decodable(
+    tmp_path: Path,
+) -> None:
+    spool = Spool(tmp_path / "spool.db")
+    for bad in (1023, 32 * 1024 * 1024 + 1):
+        with pytest.raises(ValueError, match=r"max_reply_bytes must be in 1024\.\.33554432"):
+            FleetSession(
+                FleetConfig(device_id="d", max_reply_bytes=bad),
+                spool=spool,
+                manager=ModelManager(real_factory),
+            )
 
 
 async def test_a_model_nobody_serves_on_the_fleet_topic_fails_fast(

@@ -16,6 +16,7 @@ from shared.protocol.topics import Channel, FleetInferTopic, TelemetryKind
 ident = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", fullmatch=True)
 SUBSCRIBE = (AclType.SUBSCRIBE_PATTERN, AclType.SUBSCRIBE_LITERAL)
 FLEET = "mcp/v1/fleet/infer/+"
+TOKEN = "Zq3bV9xY-k_2mN8pL4rT0w"  # the shape of secrets.token_urlsafe(16)
 
 
 def _device_topics(device_id: str) -> list[str]:
@@ -56,7 +57,7 @@ def test_a_device_may_touch_only_its_own_topics(device_id: str, other_id: str) -
         assert _allowed(acls, AclType.PUBLISH_RECEIVE, builder(device_id))
         assert not _allowed(acls, AclType.PUBLISH_SEND, builder(device_id))
     assert _allowed(acls, AclType.PUBLISH_RECEIVE, topics.device_infer(device_id, "digits"))
-    assert _allowed(acls, AclType.PUBLISH_SEND, topics.client_reply("some-app"))
+    assert _allowed(acls, AclType.PUBLISH_SEND, topics.client_reply("some-app", TOKEN))
     if other_id != device_id:
         for topic in _device_topics(other_id):
             assert not any(topics.matches(a.topic, topic) for a in acls), topic
@@ -80,6 +81,22 @@ def test_device_ids_are_embedded_literally_and_wildcards_appear_only_where_inten
         assert topics.validate_filter(entry.topic) == entry.topic
         if "/dev/" in entry.topic:
             assert entry.topic.split("/")[3] == device_id
+
+
+@given(ident)
+def test_a_device_answers_applications_only_on_token_suffixed_reply_topics(app: str) -> None:
+    acls = acl.device_acls("d1")
+
+    assert acl.client_reply_filter() == "mcp/v1/client/+/reply/+"
+    assert _allowed(acls, AclType.PUBLISH_SEND, topics.client_reply(app, TOKEN))
+    # The bare topic (what every device could publish on before) and anything that is not a
+    # session reply topic are refused.
+    for topic in (f"mcp/v1/client/{app}/reply", f"mcp/v1/client/{app}/reply/{TOKEN}/more"):
+        assert not _allowed(acls, AclType.PUBLISH_SEND, topic), topic
+    assert not any(
+        a.acl_type in SUBSCRIBE and topics.matches(a.topic, topics.client_reply(app, TOKEN))
+        for a in acls
+    )
 
 
 def test_the_placeholder_is_never_widened_when_it_is_a_real_device_id() -> None:
@@ -131,7 +148,7 @@ def test_the_service_reads_every_device_and_writes_only_what_the_control_plane_s
     for topic in (topics.telemetry(device_id, "health"), topics.events(device_id)):
         assert not _allowed(acls, AclType.PUBLISH_SEND, topic)
     assert not _allowed(acls, AclType.PUBLISH_RECEIVE, topics.fleet_infer("digits"))
-    assert not _allowed(acls, AclType.PUBLISH_RECEIVE, topics.client_reply("app"))
+    assert not _allowed(acls, AclType.PUBLISH_RECEIVE, topics.client_reply("app", TOKEN))
     assert acl.every_device_filter() == "mcp/v1/dev/+/#"
     assert "$share/+/mcp/v1/dev/+/#" in {a.topic for a in acls if a.acl_type in SUBSCRIBE}
 
@@ -142,9 +159,13 @@ def test_an_app_client_sends_requests_and_reads_only_its_replies(app: str, other
 
     assert _allowed(acls, AclType.PUBLISH_SEND, topics.fleet_infer("digits"))
     assert _allowed(acls, AclType.PUBLISH_SEND, topics.device_infer("d1", "digits"))
-    assert _allowed(acls, AclType.PUBLISH_RECEIVE, topics.client_reply(app))
+    assert _allowed(acls, AclType.PUBLISH_RECEIVE, topics.client_reply(app, TOKEN))
+    subscribe = {a.topic for a in acls if a.acl_type in SUBSCRIBE}
+    assert subscribe == {f"mcp/v1/client/{app}/reply/+"}  # any of its own sessions, no other
+    assert not _allowed(acls, AclType.PUBLISH_RECEIVE, f"mcp/v1/client/{app}/reply")
+    assert not _allowed(acls, AclType.PUBLISH_SEND, topics.client_reply(app, TOKEN))
     if other != app:
-        assert not _allowed(acls, AclType.PUBLISH_RECEIVE, topics.client_reply(other))
+        assert not _allowed(acls, AclType.PUBLISH_RECEIVE, topics.client_reply(other, TOKEN))
     for topic in _device_topics("d1"):
         assert not _allowed(acls, AclType.PUBLISH_RECEIVE, topic)
         if topic != topics.device_infer("d1", "digits"):

@@ -47,7 +47,51 @@ def test_infer_topics_round_trip(device_id: str, model: str) -> None:
     f = topics.fleet_infer(model)
     assert topics.parse(f) == topics.FleetInferTopic(model)
     assert topics.matches(topics.FleetInferTopic(model).shared("agents"), f)
-    assert topics.parse(topics.client_reply(device_id)) == topics.ClientReplyTopic(device_id)
+
+
+token = st.from_regex(r"[A-Za-z0-9_-]{22,64}", fullmatch=True)
+bad_token = st.one_of(
+    st.text(alphabet="abcXYZ019_-", max_size=21),  # too short to be unguessable
+    st.text(alphabet="abc", min_size=65, max_size=80),
+    st.builds(lambda t, c: t[:30] + c, token, st.sampled_from(list("/+#$ .=~\x00é"))),
+)
+
+
+@given(ident, token)
+def test_client_reply_topics_round_trip_with_their_token(client_id: str, tok: str) -> None:
+    built = topics.client_reply(client_id, tok)
+    assert built == f"mcp/v1/client/{client_id}/reply/{tok}"
+    assert topics.parse(built) == topics.ClientReplyTopic(client_id, tok)
+    assert str(topics.ClientReplyTopic(client_id, tok)) == built
+    assert topics.matches(topics.client_replies(client_id), built)
+    assert topics.client_replies(client_id) == f"mcp/v1/client/{client_id}/reply/+"
+
+
+@given(ident, bad_token)
+def test_a_reply_topic_with_a_bad_token_never_builds_nor_parses(client_id: str, bad: str) -> None:
+    with pytest.raises(TopicError, match="reply token"):
+        topics.ClientReplyTopic(client_id, bad)
+    if "/" not in bad and bad:
+        with pytest.raises(TopicError):
+            topics.parse(f"mcp/v1/client/{client_id}/reply/{bad}")
+
+
+def test_a_bare_reply_topic_is_not_a_reply_topic() -> None:
+    for bare in ("mcp/v1/client/app-1/reply", "mcp/v1/client/app-1/reply/", "mcp/v1/client/app-1"):
+        with pytest.raises(TopicError):
+            topics.parse(bare)
+    with pytest.raises(TopicError, match="no session token"):
+        topics.parse("mcp/v1/client/app-1/reply")
+    with pytest.raises(TypeError):
+        topics.ClientReplyTopic("app-1")  # type: ignore[call-arg]
+
+
+def test_new_reply_topics_draw_fresh_unguessable_tokens() -> None:
+    drawn = [topics.ClientReplyTopic.new("app-1") for _ in range(50)]
+    assert len({t.token for t in drawn}) == 50
+    for t in drawn:
+        assert t.client_id == "app-1" and len(t.token) >= 22
+        assert topics.parse(str(t)) == t
 
 
 @given(bad_ident)
