@@ -44,10 +44,13 @@ _DRAIN_TIMEOUT_S = 5.0
 
 # ---------------------------------------------------------------------------- helpers (parent)
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free on 127.0.0.1 a moment ago, below the ephemeral range (a client
+    polling a server that is not up yet cannot connect to itself there)."""
+    # Imported here: the load client and null server run this file in environments without the
+    # repository on sys.path.
+    from shared.netutil import free_port_below_ephemeral
+
+    return free_port_below_ephemeral(HOST)
 
 
 def http_request(

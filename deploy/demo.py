@@ -2,8 +2,9 @@
 
     python deploy/demo.py [--work-dir DIR] [--keep] [--smoke]
 
-Starts Mosquitto with dynamic security on a free loopback port, a control plane on SQLite,
-trains two versions of a digits classifier, signs and publishes them, enrolls and runs two
+Starts Mosquitto with dynamic security on a free loopback port (below the kernel's ephemeral
+range, as every port here: a client can never connect to itself there), a control plane on
+SQLite, trains two versions of a digits classifier, signs and publishes them, enrolls and runs two
 agents (`cam-1`, `cam-2`, group `demo`), deploys 1.0.0 to the group, asks both agents over HTTP
 and the fleet over MQTT, then moves `cam-1` to 1.1.0 while a client keeps sending requests.
 Each step prints one line and the CLI command it runs; every process logs to `DIR/logs/`.
@@ -34,12 +35,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from shared.netutil import free_port_below_ephemeral  # noqa: E402
 from tests.support.models import train_digits_mlp, write_digits_onnx  # noqa: E402
 from tests.support.mosquitto import (  # noqa: E402
     MosquittoError,
     find_dynsec_plugin,
     find_executable,
-    free_loopback_port,
 )
 from tests.support.processes import Client, http_json  # noqa: E402
 
@@ -218,7 +219,7 @@ class Demo:
         (self.logs / "bootstrap.log").write_text(done.stdout + done.stderr)
         if done.returncode != 0:
             raise DemoError(f"deploy/mosquitto/bootstrap.sh failed: {done.stderr.strip()}")
-        self.broker_port = free_loopback_port()
+        self.broker_port = free_port_below_ephemeral(HOST)
         conf = broker_dir / "mosquitto.conf"
         lines = []
         for line in (REPO / "deploy/mosquitto/mosquitto.conf").read_text().splitlines():
@@ -245,7 +246,7 @@ class Demo:
         admin_pw = self.work / "admin.password"
         admin_pw.write_text(secrets.token_urlsafe(18) + "\n")
         admin_pw.chmod(0o600)
-        port = free_loopback_port()
+        port = free_port_below_ephemeral(HOST)
         broker = f"mqtt://{HOST}:{self.broker_port}"
         self.step("Create the control plane: SQLite database, TUF repository and keys, admin user")
         out = self.cli("mcp-controlplane", "init", "--data-dir", str(data), "--listen",
@@ -316,7 +317,7 @@ class Demo:
             self.step(f"Enroll {name} and run it with no model")
             self.cli("mcp-agent", "enroll", "--server", self.cp_url, "--token", token,
                      "--device-id", name, "--state-dir", str(state))
-            port = self.agent_ports[name] = free_loopback_port()
+            port = self.agent_ports[name] = free_port_below_ephemeral(HOST)
             args = ["run", "--port", str(port), "--state-dir", str(state), "--health-interval", "5"]
             self.start(name, [str(self.bin / "mcp-agent"), *args], show=["mcp-agent", *args])
         self.wait_for(f"{' and '.join(DEVICES)} online in GET /api/v1/devices",

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,14 +18,9 @@ from typing import Any
 import pytest
 
 from tests.support.models import DigitsModels
+from tests.support.processes import free_port
 
 AGENT = [sys.executable, "-m", "agent.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(url: str) -> tuple[int, Any]:
@@ -64,7 +58,7 @@ def agent_process(tmp_path: Path) -> Iterator[Any]:
     procs: list[subprocess.Popen[str]] = []
 
     def start(*args: str) -> tuple[subprocess.Popen[str], str]:
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen(
             [*AGENT, "serve", "--port", str(port), "--state-dir", str(tmp_path / "state"), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -164,7 +158,7 @@ def test_serve_refuses_bad_arguments_with_a_clear_message(
     empty.mkdir()
     args = [a.format(empty=empty, model=digits.onnx_path) for a in args]
     result = subprocess.run(
-        [*AGENT, "serve", "--port", str(_free_port()), "--state-dir", str(tmp_path / "s"), *args],
+        [*AGENT, "serve", "--port", str(free_port()), "--state-dir", str(tmp_path / "s"), *args],
         capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
     )
     assert result.returncode != 0
@@ -173,7 +167,7 @@ def test_serve_refuses_bad_arguments_with_a_clear_message(
 
 def test_quickstart_script_serves_the_demo_model(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MCP_VENV": sys.prefix, "PORT": str(_free_port()),
+    env = {**os.environ, "MCP_VENV": sys.prefix, "PORT": str(free_port()),
            "MCP_QUICKSTART_DIR": str(tmp_path / "qs")}
     result = subprocess.run(["bash", "deploy/quickstart.sh", "--smoke"], cwd=repo, env=env,
                             capture_output=True, text=True, timeout=300)

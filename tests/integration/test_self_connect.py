@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from agent.fleet.mqtt import MqttClient, MqttConnectError, MqttSettings
 from agent.fleet.session import FleetConfig, FleetSession
 from agent.fleet.spool import Spool
-from shared.netutil import free_port_below_ephemeral
+from shared.netutil import ephemeral_port_range, free_port_below_ephemeral
 from tests.support.mosquitto import LOOPBACK, MosquittoBroker
 
 pytestmark = pytest.mark.mosquitto
@@ -89,3 +90,21 @@ async def test_the_session_retries_after_a_self_connect_and_comes_online_on_that
     finally:
         await session.close()
         broker.stop()
+
+
+def test_test_brokers_listen_below_the_ephemeral_range_and_dodge_a_taken_port(
+    tmp_path: Path,
+) -> None:
+    low, _ = ephemeral_port_range()
+    broker = MosquittoBroker(tmp_path)
+    chosen = broker.port
+    assert chosen < low  # no client can be handed it as a source port
+    # Another run takes the chosen port between the choice and the broker's bind.
+    with socket.create_server((LOOPBACK, chosen)), broker:
+        got = broker.port
+        assert got != chosen and got < low
+        with socket.create_connection((broker.host, got), timeout=5):
+            pass
+        broker.stop()
+        broker.start()
+        assert broker.port == got  # a restart keeps the port it got

@@ -3,7 +3,12 @@
 `MosquittoBroker` writes its own config into a working directory, starts
 `mosquitto -c <conf>`, waits until the port accepts TCP connections and stops the process by
 its pid. It can be killed and started again on the same port, for fault tests that lose the
-broker mid-transfer. `DynsecMosquittoBroker` adds the dynamic-security plugin and refuses
+broker mid-transfer.
+
+Ports are chosen below the kernel's ephemeral range (`shared.netutil`): a client reconnecting
+to a stopped broker on an ephemeral port can be handed that very port as its source port and
+connect to itself, and the restarted broker then fails with "Address already in use". A port
+chosen here that another run takes before the broker binds it is replaced by a fresh one. `DynsecMosquittoBroker` adds the dynamic-security plugin and refuses
 anonymous clients; its admin client is bootstrapped with `mosquitto_ctrl dynsec init`.
 
 Everything that goes wrong raises `MosquittoError` with the broker's log in the message.
@@ -23,6 +28,8 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from shared.netutil import free_port_below_ephemeral
+
 LOOPBACK = "127.0.0.1"
 _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")
 _PLUGIN_NAME = "mosquitto_dynamic_security.so"
@@ -36,6 +43,12 @@ _LIB_DIRS = (
     "/opt/homebrew/lib",
 )
 _INSTALL_HINT = "run `bash tests/run.sh`, which installs Debian's mosquitto package"
+_PORT_TAKEN = "Address already in use"
+_PORT_ATTEMPTS = 5
+# An MQTT 3.1.1 CONNECT (clean session, no client id): a broker answers CONNACK (0x20), even
+# when it refuses anonymous clients; whatever else holds the port does not.
+_PROBE_CONNECT = bytes.fromhex("100c00044d5154540402003c0000")
+_CONNACK = 0x20
 
 
 class MosquittoError(RuntimeError):
@@ -69,11 +82,8 @@ def find_dynsec_plugin() -> Path:
 
 
 def free_loopback_port() -> int:
-    """Return a TCP port on 127.0.0.1 that the kernel just reported free."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((LOOPBACK, 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """Return a TCP port on 127.0.0.1 that was free a moment ago, below the ephemeral range."""
+    return free_port_below_ephemeral(LOOPBACK)
 
 
 class MosquittoBroker:
@@ -81,8 +91,9 @@ class MosquittoBroker:
 
     Args:
         workdir: an existing directory for the config, log and plugin files.
-        port: the TCP port to listen on; a free one is picked when None. It stays the same
-            across `stop()`/`kill()` and `start()`.
+        port: the TCP port to listen on; a free one below the ephemeral range is picked when
+            None (and picked again if taken at the first start). It stays the same across
+            `stop()`/`kill()` and `start()`.
         start_timeout: seconds `start()` waits for the port to accept connections.
     """
 
@@ -91,6 +102,7 @@ class MosquittoBroker:
     def __init__(self, workdir: Path, *, port: int | None = None, start_timeout: float = 10.0):
         self.workdir = Path(workdir)
         self.port = port if port is not None else free_loopback_port()
+        self._port_chosen = port is None  # ours to replace until the broker first listens
         self.start_timeout = start_timeout
         self.conf_path = self.workdir / "mosquitto.conf"
         self.log_path = self.workdir / "mosquitto.log"
@@ -124,6 +136,9 @@ class MosquittoBroker:
     def start(self) -> None:
         """Write the config, start the broker and wait until its port accepts a connection.
 
+        The broker counts as up once it answers an MQTT CONNECT with a CONNACK (a bare TCP
+        accept could come from another program holding the port).
+
         Raises:
             MosquittoError: it is already running, exited during start-up, or did not accept
                 a connection within `start_timeout` seconds (the process is then killed).
@@ -131,6 +146,20 @@ class MosquittoBroker:
         if self.running:
             raise MosquittoError(f"the broker is already running as pid {self.pid}")
         self._prepare()
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            logged = len(self.log_text())
+            try:
+                self._start_once()
+                break
+            except MosquittoError:
+                # Another run took the chosen port between the check and the bind: pick again.
+                taken = _PORT_TAKEN in self.log_text()[logged:]
+                if not (self._port_chosen and taken and attempt < _PORT_ATTEMPTS):
+                    raise
+                self.port = free_loopback_port()
+        self._port_chosen = False
+
+    def _start_once(self) -> None:
         self.conf_path.write_text("\n".join(self._config_lines()) + "\n")
         with self.output_path.open("ab") as output:
             self._process = subprocess.Popen(
@@ -219,8 +248,10 @@ class MosquittoBroker:
                     f"log:\n{self.log_text()}"
                 )
             try:
-                with socket.create_connection((self.host, self.port), timeout=0.5):
-                    return
+                with socket.create_connection((self.host, self.port), timeout=0.5) as probe:
+                    probe.sendall(_PROBE_CONNECT)
+                    if probe.recv(1)[:1] == bytes([_CONNACK]):
+                        return
             except OSError:
                 pass
             if time.monotonic() >= deadline:

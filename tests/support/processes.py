@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from shared.netutil import free_port_below_ephemeral
+
 REPO = Path(__file__).resolve().parents[2]
 AGENT = [sys.executable, "-m", "agent.cli"]
 CONTROLPLANE = [sys.executable, "-m", "controlplane.cli"]
@@ -22,10 +23,9 @@ BUNDLE = [sys.executable, "-m", "shared.bundle_cli"]
 
 
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port that was free on 127.0.0.1 a moment ago, below the ephemeral range: a client
+    polling a server that is not up yet (or restarting) cannot connect to itself there."""
+    return free_port_below_ephemeral("127.0.0.1")
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = 30.0) -> None:
