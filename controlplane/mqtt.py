@@ -44,6 +44,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 from controlplane.broker.base import Credentials
 from shared.errors import McpError
+from shared.netutil import close_with_reset, is_self_connected
 from shared.recvbuffer import ChunkedReads
 
 log = logging.getLogger("mcp.controlplane.mqtt")
@@ -215,6 +216,9 @@ class MqttSubscriber:
                 self._address.host, self._address.port, self._keepalive_s,
                 clean_start=False, properties=props,
             ))  # fmt: skip
+            sock = self._client.socket()
+            if sock is None or sock.fileno() < 0:  # reset by _on_socket_open: a self-connect
+                raise ConnectionRefusedError("the socket connected to itself: nothing listens")
             await asyncio.wait_for(self._subscribed, self._timeout_s)
         except asyncio.TimeoutError as e:  # before OSError: on 3.11+ it is one
             await self.close()
@@ -285,6 +289,11 @@ class MqttSubscriber:
                 loop.call_soon_threadsafe(fn, *args)
 
     def _on_socket_open(self, _client: mqtt.Client, _userdata: Any, sock: Any) -> None:
+        if is_self_connected(sock):  # see shared.netutil; reset: no TIME_WAIT on the port
+            log.warning("%s session: the connection to %s came back to its own socket (nothing "
+                        "listens there); reset", self._name, self.where)
+            close_with_reset(sock)
+            return
         if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(IPPROTO_TCP, TCP_NODELAY, 1)
         self._on_loop(self._watch, sock.fileno())
