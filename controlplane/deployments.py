@@ -179,6 +179,10 @@ class DeploymentService:
         self._failing = False
 
     @property
+    def db(self) -> Database:
+        return self._db
+
+    @property
     def publishes(self) -> bool:
         """Whether a broker session is configured to publish documents."""
         return self._publisher is not None

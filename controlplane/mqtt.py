@@ -108,6 +108,9 @@ class MqttSubscriber:
     (``(topic, payload)``) or, when given, to ``on_message`` (a :class:`ReceivedMessage`).
     With no filters (and no handler) it is a publish-only session.
 
+    ``on_subscribed`` is called on the loop each time the broker has granted every filter
+    again (first start and every reconnect): retained messages follow.
+
     ``session_expiry_s``: after a crash or a lost connection the broker keeps the session (and
     queues its QoS 1 messages, including its turn of every shared subscription) this long, so
     a process restarted with the same client id misses nothing. :meth:`close` ends the session
@@ -123,6 +126,7 @@ class MqttSubscriber:
         handler: MessageHandler | None = None,
         *,
         on_message: PropertiesHandler | None = None,
+        on_subscribed: Callable[[], None] | None = None,
         name: str = "ingest",
         keepalive_s: int = 30,
         session_expiry_s: int = 300,
@@ -137,6 +141,7 @@ class MqttSubscriber:
         self._filters = list(filters)
         self._handler = handler
         self._on_message_handler = on_message
+        self._on_subscribed = on_subscribed
         self._name = name
         self._keepalive_s = keepalive_s
         self._session_expiry_s = session_expiry_s
@@ -498,6 +503,11 @@ class MqttSubscriber:
             self._subscribed.set_result(None)
         else:
             log.info("%s session to %s restored and subscribed again", self._name, self.where)
+        if self._on_subscribed is not None:
+            try:
+                self._on_subscribed()
+            except Exception:
+                log.exception("MQTT %s: the subscribed hook failed", self._name)
 
     def _fail(self, message: str) -> None:
         self._up, self._problem = False, message

@@ -44,11 +44,14 @@ from controlplane.deployments import (
     UnknownDeviceError,
     UnknownVersionError,
 )
+from controlplane.desired_reconcile import DesiredReconciler
 from controlplane.ingest import IngestConnection
 from controlplane.mqtt import MqttSubscriber
 from shared.errors import McpError
+from shared.protocol import topics
 from shared.protocol.base import Identifier, Labels, VersionText
 from shared.protocol.command import ErrorCode
+from shared.protocol.topics import Channel
 
 log = logging.getLogger("mcp.controlplane.deployments")
 
@@ -317,6 +320,7 @@ def attach_deployments(
     """
     app[DEPLOYMENTS] = service
     opened: list[MqttSubscriber] = []
+    reconciler = DesiredReconciler(service.db, service.wake)
 
     async def start(app: web.Application) -> None:
         if broker is None:
@@ -324,7 +328,12 @@ def attach_deployments(
         else:
             name = desired_account_name(broker.credentials.client_id)
             credentials = await provisioner.provision_service(name)
-            session = MqttSubscriber(broker.address, credentials, [], name="desired")
+            # Subscribed to every desired topic: the reconciler compares what the broker
+            # retains with the database after each (re)connect and on every publish by anyone.
+            session = MqttSubscriber(
+                broker.address, credentials, [topics.all_devices(Channel.DESIRED)],
+                reconciler.handle, on_subscribed=reconciler.subscribed, name="desired",
+            )
             await session.start()
             opened.append(session)
             if sessions is not None:
@@ -337,6 +346,7 @@ def attach_deployments(
         service.use_publisher(None)
         for session in opened:
             await session.close()
+        await reconciler.close()
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)

@@ -311,6 +311,24 @@ async def mark_published(tx: Tx, published: Mapping[str, int], now: datetime) ->
     return changed
 
 
+async def published_devices(tx: Tx) -> list[str]:
+    """Devices whose newest document the broker took (``published_at`` set)."""
+    rows = await tx.execute(
+        select(DesiredStateRow.device_id).where(DesiredStateRow.published_at.is_not(None))
+    )
+    return list(rows.scalars())
+
+
+async def mark_unpublished(tx: Tx, device_ids: Collection[str]) -> None:
+    """Clear ``published_at`` of these devices' documents: they go out again."""
+    ids = list(device_ids)
+    for start in range(0, len(ids), 500):
+        await tx.execute(
+            update(DesiredStateRow).where(DesiredStateRow.device_id.in_(ids[start:start + 500]))
+            .values(published_at=None)
+        )
+
+
 async def due_for_refresh(tx: Tx, now: datetime, *, limit: int) -> list[str]:
     """Accepted devices whose document has reached its refresh time, most urgent first."""
     rows = await tx.execute(
