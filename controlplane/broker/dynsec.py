@@ -47,6 +47,7 @@ from controlplane.broker.acl import (
     usernames_bound_to,
 )
 from controlplane.broker.base import BrokerAdminError, Credentials
+from shared.netutil import close_with_reset, is_self_connected
 
 COMMAND_TOPIC = "$CONTROL/dynamic-security/v1"
 RESPONSE_TOPIC = "$CONTROL/dynamic-security/v1/response"
@@ -134,6 +135,11 @@ class DynsecProvisioner:
         self._started = self._loop.create_future()
         try:
             await asyncio.to_thread(self._client.connect, self._host, self._port, 30)
+            sock = self._client.socket()
+            if sock is None or sock.fileno() < 0:  # reset by _on_socket_open: a self-connect
+                if self._started.done():  # paho's report of the dead socket, said better here
+                    self._started.exception()
+                raise ConnectionRefusedError("the socket connected to itself: nothing listens")
             self._client.loop_start()
             await asyncio.wait_for(self._started, self._timeout_s)
         except asyncio.TimeoutError as e:  # before OSError: on 3.11+ it is one
@@ -317,6 +323,11 @@ class DynsecProvisioner:
     # ---- paho callbacks (paho's thread) ----------------------------------------------------
 
     def _on_socket_open(self, _client: mqtt.Client, _userdata: Any, sock: Any) -> None:
+        if is_self_connected(sock):  # see shared.netutil; reset: no TIME_WAIT on the port
+            _log.warning("broker admin: the connection to %s came back to its own socket "
+                         "(nothing listens there); reset", self._where)
+            close_with_reset(sock)
+            return
         # Nagle's algorithm delays small request/response packets by tens of ms (DESIGN §8).
         if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(IPPROTO_TCP, TCP_NODELAY, 1)
