@@ -8,6 +8,11 @@ Key files are small JSON documents::
     {"keytype": "ed25519", "keyid": "<hex>", "public": "<hex>"}                 # public
     {"keytype": "ed25519", "keyid": "<hex>", "public": "<hex>", "private": "<hex seed>"}
 
+A public key is accepted only when it is a usable Ed25519 key: 32 bytes, canonically encoded
+(the y coordinate below 2^255 - 19), and a point of the curve's prime-order subgroup, so none
+of the eight points of small order (all zeros, the identity ``01 00..00``, ...). A signature
+by such a key proves nothing about who made it, and nobody holds its private key.
+
 Private key files are written with mode 0600 (temp file, fsync, rename) and refused on read when
 the group or others can read them, the way ssh treats identity files.
 
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import nacl.bindings
 import nacl.exceptions
 import nacl.signing
 
@@ -45,6 +51,8 @@ from shared.fsutil import atomic_write_bytes
 KEYTYPE = "ed25519"
 MAX_KEY_FILE_BYTES = 4096
 _HEX = frozenset("0123456789abcdef")
+_FIELD_PRIME = 2**255 - 19
+_Y_MASK = (1 << 255) - 1  # the top bit of an encoded point is the sign of x
 
 
 def canonical_json(document: Any) -> bytes:
@@ -72,15 +80,33 @@ def _is_hex(value: object, length: int) -> bool:
     return isinstance(value, str) and len(value) == length and set(value) <= _HEX
 
 
+def check_public_key(raw: bytes) -> None:
+    """Refuse what is not a usable Ed25519 public key (see the module docstring).
+
+    Raises :class:`KeyFileError` for a wrong length, a non-canonical encoding, or a point of
+    small order, off the curve or outside the prime-order subgroup.
+    """
+    if len(raw) != 32:
+        raise KeyFileError(f"an Ed25519 public key is 32 bytes, got {len(raw)}")
+    if int.from_bytes(raw, "little") & _Y_MASK >= _FIELD_PRIME:
+        raise KeyFileError("public key is not canonically encoded (its y is not below 2^255-19)")
+    # libsodium's check: canonical, not of small order, on the curve, in the prime-order group.
+    if not nacl.bindings.crypto_core_ed25519_is_valid_point(raw):
+        raise KeyFileError(
+            "public key is not a usable Ed25519 key: a point of small order (such as all "
+            "zeros), not on the curve, or outside its prime-order subgroup"
+        )
+
+
 @dataclass(frozen=True)
 class PublicKey:
-    """An Ed25519 verify key with its key id."""
+    """An Ed25519 verify key with its key id; only a usable key can be built
+    (:func:`check_public_key`, raising :class:`KeyFileError`)."""
 
     raw: bytes
 
     def __post_init__(self) -> None:
-        if len(self.raw) != 32:
-            raise KeyFileError(f"an Ed25519 public key is 32 bytes, got {len(self.raw)}")
+        check_public_key(self.raw)
 
     @property
     def keyid(self) -> str:

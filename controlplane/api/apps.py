@@ -12,7 +12,8 @@ The broker account is made inside the database transaction that stores the row: 
 broker refuses (503) nothing is stored, and when the commit fails the new account is deleted
 again. Revoking disables the account at the broker (a live session is disconnected) in the
 transaction that marks the row revoked. Client ids are never given out twice, and never to an
-application when a device has the same id (one client id, one broker account).
+application when a device or a control-plane service has the same id (one client id, one broker
+account): 409, naming no broker account.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from controlplane.api.common import (
 )
 from controlplane.api.schemas import Request, Response
 from controlplane.auth import Role, principal_of
-from controlplane.broker.base import BrokerAdminError
+from controlplane.broker.base import AccountConflictError, BrokerAdminError
 from controlplane.db import DatabaseError, Tx
 from controlplane.db import apps as q
 from controlplane.db import audit as audit_q
@@ -110,7 +111,13 @@ async def create_app_client(request: web.Request) -> web.Response:
                 tx, client_id=client_id, description=body.description,
                 created_by=who.username, now=now,
             )
-            credentials = await svc.provisioner.provision_app_client(client_id)
+            try:
+                credentials = await svc.provisioner.provision_app_client(client_id)
+            except AccountConflictError as e:  # a service's, or a device's not in the database
+                log.warning("app client %s refused: %s", client_id, e)
+                raise ApiError(
+                    ErrorCode.CONFLICT, f"client id {client_id!r} is not available; pick another"
+                ) from e
             provisioned = True
             await audit_q.insert_entry(
                 tx, at=now, actor=who.actor, action=APP_CREATED, target_type="app_client",

@@ -9,6 +9,8 @@ Errors by who is at fault (the HTTP status a client sees)::
     MessageError, ProtocolError    400: the client sent something unusable
     ReplayError                    409
     db.ConflictError               409, db.NotFoundError 404, db.UnavailableError 503
+    AccountConflictError           409: another kind of broker account holds the client id
+                                   (the answer names no account; the log does)
     BrokerAdminError               503: the broker did not take the change (nothing committed)
     anything else                  500, logged with its traceback
 """
@@ -29,7 +31,7 @@ from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ValidationError
 
 from controlplane.auth import AuthError, PasswordHasher, Role
-from controlplane.broker.base import BrokerAdminError, BrokerProvisioner
+from controlplane.broker.base import AccountConflictError, BrokerAdminError, BrokerProvisioner
 from controlplane.db import ConflictError, Database, DatabaseError, NotFoundError, UnavailableError
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.settings import Settings
@@ -214,6 +216,9 @@ def _classify(e: Exception) -> web.Response:
     if isinstance(e, UnavailableError):
         log.warning("database unavailable: %s", e)
         return error_response(ErrorCode.UNAVAILABLE, "database unavailable; retry later")
+    if isinstance(e, AccountConflictError):
+        log.warning("broker account conflict: %s", e)
+        return error_response(ErrorCode.CONFLICT, f"id {e.client_id!r} is not available")
     if isinstance(e, BrokerAdminError):
         log.warning("broker provisioning failed: %s", e)
         return error_response(ErrorCode.UNAVAILABLE, f"broker provisioning failed: {e}")

@@ -9,7 +9,9 @@ signature (401), clock skew (400), nonce (409, replay; the nonce is committed on
 before anything else, so an envelope is single-use whatever the outcome), then the decision of
 :func:`controlplane.enrollment.plan` in one transaction: token (403), device state (403),
 device id clash (409). Broker credentials are provisioned inside that transaction; if the
-broker refuses (503) nothing is committed and the device may simply try again.
+broker refuses (503) nothing is committed and the device may simply try again. A device id that
+another kind of broker account holds (a control-plane service, an application) is refused with
+409, naming no account, and nothing is committed either: not the device, not the token use.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from controlplane.api.schemas import SignedEnrollment
 from controlplane.api.tokens import token_facts
 from controlplane.audit import AuditAction, device_actor
 from controlplane.auth import AuthError, secret_digest
+from controlplane.broker.base import AccountConflictError, Credentials
 from controlplane.db import Tx
 from controlplane.db import devices as device_q
 from controlplane.db import enrollment as token_q
@@ -205,7 +208,7 @@ async def _decide_and_apply(
             view = existing
         broker = None
         if view.status == DeviceStatus.ACCEPTED.value:
-            creds = await svc.provisioner.provision_device(view.id)
+            creds = await _provision(svc, view.id, decision)
             broker = BrokerCredentials(
                 urls=list(svc.settings.broker_urls), username=creds.username,
                 password=creds.password, client_id=creds.client_id,
@@ -229,6 +232,22 @@ async def _decide_and_apply(
         status=EnrollmentStatus.ACCEPTED, device_id=view.id, topic_prefix=PREFIX,
         broker=broker, trust=await svc.trust.trust_root(), message=message,
     )
+
+
+async def _provision(svc: Services, device_id: str, decision: Plan) -> Credentials:
+    """The device's broker credentials; a 409 :class:`ApiError` when its id is taken by
+    another kind of broker account (raised inside the transaction: nothing is committed)."""
+    try:
+        return await svc.provisioner.provision_device(device_id)
+    except AccountConflictError as e:
+        log.warning("enrollment of %s refused: %s", device_id, e)
+        hint = (
+            "enroll with another id or none" if decision.action is Action.CREATE
+            else "ask an operator to give this device another id"
+        )
+        raise ApiError(
+            ErrorCode.CONFLICT, f"device id {device_id!r} is not available; {hint}"
+        ) from e
 
 
 ENDPOINTS = [

@@ -37,14 +37,13 @@ from controlplane.api.common import (
     read_body,
     services,
 )
-from controlplane.api.schemas import Name, Request, Response
+from controlplane.api.schemas import PublicKeyHex, PublisherName, Request, Response
 from controlplane.auth import Role, principal_of
 from controlplane.db.models import ModelVersion, PublisherKey
 from controlplane.repository.http import REPOSITORY
 from controlplane.repository.service import RegistryError, RepositoryService
 from controlplane.repository.tuf_repo import RepositoryError
 from shared.errors import KeyFileError
-from shared.protocol.base import HexKey
 from shared.protocol.command import ErrorCode
 from shared.signing import PublicKey
 
@@ -103,8 +102,8 @@ class ModelDetail(Response):
 class PublisherCreate(Request):
     """Register a publisher key (Ed25519, 64 hex characters)."""
 
-    name: Name
-    public_key: HexKey
+    name: PublisherName
+    public_key: PublicKeyHex
 
 
 class PublisherOut(Response):

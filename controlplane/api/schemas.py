@@ -10,17 +10,40 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
 from controlplane.auth import Role
 from controlplane.enrollment import Approval, DeviceStatus
+from shared.errors import KeyFileError
 from shared.protocol.base import HexKey, Identifier, Labels
 from shared.protocol.command import ErrorCode
 from shared.protocol.enrollment import EnrollmentRequest
+from shared.signing import check_public_key
 
 Username = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
 Password = Annotated[str, StringConstraints(min_length=8, max_length=1024)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+PublisherName = Annotated[
+    str,
+    StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9 ._@-]{0,63}$"),
+    Field(description="1-64 of A-Z a-z 0-9 space . _ @ -, starting with a letter or digit"),
+]
+
+
+def _usable_public_key(value: str) -> str:
+    try:
+        check_public_key(bytes.fromhex(value))
+    except KeyFileError as e:
+        raise ValueError(str(e)) from e
+    return value
+
+
+PublicKeyHex = Annotated[
+    HexKey,
+    AfterValidator(_usable_public_key),
+    Field(description="an Ed25519 public key, 64 lowercase hex characters; small-order and "
+          "non-canonical encodings are refused"),
+]
 MAX_EXPIRY_S = 10 * 365 * 24 * 3600
 ExpiresIn = Annotated[int, Field(ge=60, le=MAX_EXPIRY_S, description="seconds from now")]
 
@@ -196,7 +219,7 @@ class LabelsPatch(Request):
 
 
 class PreauthorizeRequest(Request):
-    public_key: HexKey
+    public_key: PublicKeyHex
     device_id: Identifier | None = None
     group: Identifier | None = None
     labels: Labels = Field(default_factory=dict)

@@ -18,6 +18,17 @@ class BrokerAdminError(McpError):
     """The broker refused or did not answer an administration request."""
 
 
+class AccountConflictError(BrokerAdminError):
+    """The client id is already bound to another kind of account (a device id that a service
+    or an application uses, or the other way round). Retrying will not help; the message names
+    that account, so it is for the operator's log, never for the client that asked."""
+
+    def __init__(self, client_id: str, holder: str) -> None:
+        super().__init__(f"client id {client_id!r} already belongs to account {holder!r}")
+        self.client_id = client_id
+        self.holder = holder
+
+
 @dataclass(frozen=True)
 class Credentials:
     """An MQTT account: the client must connect with exactly this client id."""
@@ -36,7 +47,8 @@ class BrokerProvisioner(Protocol):
     async def provision_device(self, device_id: str) -> Credentials:
         """Create (or reset the password of) the device's account with its per-device role:
         publish/subscribe only on its own topics, the fleet inference topics and client reply
-        topics; everything else denied."""
+        topics; everything else denied. Raises :class:`AccountConflictError` when another kind
+        of account holds the client id."""
         ...
 
     async def provision_service(self, name: str) -> Credentials:
@@ -44,7 +56,9 @@ class BrokerProvisioner(Protocol):
         ...
 
     async def provision_app_client(self, client_id: str) -> Credentials:
-        """An account for an application that sends inference requests and reads its replies."""
+        """An account for an application that sends inference requests and reads its replies.
+        Raises :class:`AccountConflictError` when another kind of account holds the client
+        id."""
         ...
 
     async def disable_device(self, device_id: str) -> None:

@@ -46,7 +46,7 @@ from controlplane.broker.acl import (
     username_for,
     usernames_bound_to,
 )
-from controlplane.broker.base import BrokerAdminError, Credentials
+from controlplane.broker.base import AccountConflictError, BrokerAdminError, Credentials
 from shared.netutil import close_with_reset, is_self_connected
 
 COMMAND_TOPIC = "$CONTROL/dynamic-security/v1"
@@ -195,8 +195,8 @@ class DynsecProvisioner:
         """Create or reset ``dev-{device_id}`` (client id ``device_id``) with its own role.
 
         A new password every call; a disabled account comes back enabled, so the caller
-        decides whether a revoked device may be provisioned again. Raises BrokerAdminError
-        also when the client id is bound to another kind of account.
+        decides whether a revoked device may be provisioned again. Raises
+        AccountConflictError when the client id is bound to another kind of account.
         """
         return await self._provision(device_account(device_id, share_group=self._share_group))
 
@@ -263,9 +263,7 @@ class DynsecProvisioner:
         )
         for username, answer in zip(others, answers[:-1], strict=True):
             if "error" not in answer:
-                raise BrokerAdminError(
-                    f"client id {spec.client_id!r} already belongs to account {username!r}"
-                )
+                raise AccountConflictError(spec.client_id, username)
         try:
             current = None if "error" in answers[-1] else _role_acls(answers[-1])
         except (KeyError, TypeError, AttributeError, ValueError) as e:

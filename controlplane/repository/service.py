@@ -52,7 +52,7 @@ from controlplane.repository.tuf_repo import (
 )
 from controlplane.settings import Settings
 from shared.bundle import BundleLimits, inspect_bundle, verify_bundle
-from shared.errors import BundleError, McpError, MessageError, VersionError
+from shared.errors import BundleError, KeyFileError, McpError, MessageError, VersionError
 from shared.protocol.command import ErrorCode
 from shared.protocol.enrollment import TrustRoot
 from shared.protocol.repo import validate_repo_path
@@ -360,11 +360,20 @@ class RepositoryService:
         the listing differs). Caller holds ``self._lock``."""
         async with self.db.read() as tx:
             rows = await q.list_publishers(tx, active_only=True)
-        wanted = {r.keyid: PublicKey.from_hex(r.public_key) for r in rows}
+        wanted: dict[str, PublicKey] = {}
+        for row in rows:
+            try:
+                wanted[row.keyid] = PublicKey.from_hex(row.public_key)
+            except KeyFileError as e:  # registered before unusable keys were refused
+                log.warning("publisher key %s (%s) is left out of targets metadata: %s",
+                            row.keyid[:16], row.name, e)
 
         def sync() -> bool:
-            if self.repo.publishers() == wanted:
-                return False
+            try:
+                if self.repo.publishers() == wanted:
+                    return False
+            except KeyFileError:  # the listing holds a key refused since: write it anew
+                pass
             self.repo.set_publishers(wanted.values())
             return True
 
@@ -488,7 +497,13 @@ class RepositoryService:
                 f"the bundle is signed by publisher key {claimed[:16]} ({row.name}), revoked "
                 f"at {row.revoked_at.isoformat()}"
             )
-        return PublicKey.from_hex(row.public_key)
+        try:
+            return PublicKey.from_hex(row.public_key)
+        except KeyFileError as e:  # registered before unusable keys were refused
+            raise UntrustedSignerError(
+                f"publisher key {claimed[:16]} ({row.name}) is not a usable Ed25519 key ({e}); "
+                "revoke it and register a new one"
+            ) from e
 
     async def list_models(self) -> list[q.ModelSummary]:
         async with self.db.read() as tx:

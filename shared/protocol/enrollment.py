@@ -109,7 +109,7 @@ def verify_enrollment(envelope: object, *, now: datetime) -> EnrollmentRequest:
     try:
         key = PublicKey.from_hex(request.public_key)
     except SigningError as e:
-        raise MessageError("enrollment request: public_key is not an Ed25519 key") from e
+        raise MessageError(f"enrollment request: public_key: {e}") from e
     verify_document(envelope, [key])
     skew = abs((now - request.timestamp).total_seconds())
     if skew > MAX_CLOCK_SKEW_S:

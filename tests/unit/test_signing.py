@@ -149,3 +149,79 @@ def test_key_ids_are_sha256_of_the_public_key() -> None:
     assert len(key.keyid) == 64
     assert PublicKey.from_hex(key.public_key.raw.hex()) == key.public_key
     assert key.keyid[:16] in repr(key) and key.seed.hex() not in repr(key)
+
+
+# ---------------------------------------------------------------------------- unusable keys
+_P = 2**255 - 19
+_D = -121665 * pow(121666, -1, _P) % _P
+_SQRT_M1 = pow(2, (_P - 1) // 4, _P)
+
+# The eight points of the curve's torsion subgroup (canonical encodings): the identity, the
+# point of order 2, two of order 4 (y = 0, the all-zero key and its sign twin) and four of
+# order 8. Their orders are checked below with plain Edwards arithmetic.
+SMALL_ORDER_KEYS = [
+    "01" + "00" * 31,
+    "ec" + "ff" * 30 + "7f",
+    "00" * 32,
+    "00" * 31 + "80",
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05",
+    "26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc85",
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a",
+    "c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac03fa",
+]
+
+
+def _decode(encoded: bytes) -> tuple[int, int]:
+    """RFC 8032 §5.1.3 point decoding (canonical encodings only)."""
+    n = int.from_bytes(encoded, "little")
+    y, sign = n & ((1 << 255) - 1), n >> 255
+    u, v = (y * y - 1) % _P, (_D * y * y + 1) % _P
+    x = u * pow(v, 3, _P) * pow(u * pow(v, 7, _P), (_P - 5) // 8, _P) % _P
+    if v * x * x % _P != u:
+        x = x * _SQRT_M1 % _P
+    assert v * x * x % _P == u, "not on the curve"
+    return (_P - x if x and (x & 1) != sign else x), y
+
+
+def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    (x1, y1), (x2, y2) = a, b
+    t = _D * x1 * x2 * y1 * y2 % _P
+    return ((x1 * y2 + y1 * x2) * pow(1 + t, -1, _P) % _P,
+            (y1 * y2 + x1 * x2) * pow(1 - t, -1, _P) % _P)
+
+
+@pytest.mark.parametrize("hexkey", SMALL_ORDER_KEYS)
+def test_small_order_public_keys_are_refused(hexkey: str, tmp_path: Path) -> None:
+    assert len({_decode(bytes.fromhex(h)) for h in SMALL_ORDER_KEYS}) == 8
+    multiple = _decode(bytes.fromhex(hexkey))
+    for _ in range(3):
+        multiple = _add(multiple, multiple)
+    assert multiple == (0, 1)  # 8 · P is the identity: the key is of small order
+
+    with pytest.raises(KeyFileError, match="small order"):
+        PublicKey.from_hex(hexkey)
+    with pytest.raises(KeyFileError, match="small order"):
+        PublicKey(bytes.fromhex(hexkey))
+    path = tmp_path / "bad.pub"
+    path.write_bytes(canonical_json({"keytype": "ed25519", "public": hexkey}))
+    with pytest.raises(KeyFileError, match="small order"):
+        read_public_key(path)
+
+
+@pytest.mark.parametrize("y", range(19))
+@pytest.mark.parametrize("x_sign", [0, 1])
+def test_non_canonical_encodings_are_refused(y: int, x_sign: int) -> None:
+    # y + p still fits in 255 bits for y < 19: the same y written a second way.
+    encoded = ((y + _P) | (x_sign << 255)).to_bytes(32, "little")
+    with pytest.raises(KeyFileError, match="not canonically encoded"):
+        PublicKey(encoded)
+
+
+def test_a_key_with_a_torsion_component_is_refused() -> None:
+    # A real key plus a point of order 8: on the curve, not of small order, but outside the
+    # prime-order subgroup every honest key lies in.
+    real = _decode(PrivateKey.generate().public_key.raw)
+    x, y = _add(real, _decode(bytes.fromhex(SMALL_ORDER_KEYS[4])))
+    mixed = (y | ((x & 1) << 255)).to_bytes(32, "little")
+    with pytest.raises(KeyFileError, match="prime-order subgroup"):
+        PublicKey(mixed)
