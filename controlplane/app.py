@@ -272,10 +272,13 @@ def _infrastructure() -> list[Endpoint]:
     return [
         Endpoint("GET", "/healthz", healthz, "Liveness", None, "operations", response=Health),
         Endpoint("GET", "/readyz", readyz, "Readiness (database reachable and migrated)", None,
-                 "operations", response=Health),
-        Endpoint("GET", "/metrics", metrics_endpoint, "Prometheus metrics", None, "operations"),
+                 "operations", response=Health,
+                 answers={503: "not ready: the database is unreachable or not migrated, or a "
+                          "broker session is not logged in"}),
+        Endpoint("GET", "/metrics", metrics_endpoint, "Prometheus metrics", None, "operations",
+                 media_type="text/plain"),
         Endpoint("GET", "/api/v1/openapi.json", openapi_document, "This API's OpenAPI document",
-                 None, "operations"),
+                 None, "operations", media_type="application/json"),
     ]
 
 

@@ -25,11 +25,13 @@ from functools import total_ordering
 
 from shared.errors import VersionError
 
-_SEMVER = re.compile(
+SEMVER_PATTERN = (
     r"^v?(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
     r"(?:-((?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*)(?:\.(?:0|[1-9]\d*|\d*[a-zA-Z-][0-9a-zA-Z-]*))*))?"
     r"(?:\+([0-9a-zA-Z-]+(?:\.[0-9a-zA-Z-]+)*))?$"
 )
+"""What :meth:`SemVer.parse` accepts, as a regular expression (JSON Schema's ``pattern``)."""
+_SEMVER = re.compile(SEMVER_PATTERN)
 MAX_VERSION_LENGTH = 128
 
 

@@ -41,6 +41,7 @@ from controlplane.db import apps as q
 from controlplane.db import audit as audit_q
 from controlplane.db.models import AppClient
 from shared.protocol import topics
+from shared.protocol.base import IdentifierSchema
 from shared.protocol.command import ErrorCode
 from shared.protocol.topics import validate_id
 
@@ -49,7 +50,7 @@ log = logging.getLogger("mcp.controlplane.apps")
 APP_CREATED = "app_client.created"
 APP_REVOKED = "app_client.revoked"
 Description = Annotated[str, StringConstraints(max_length=256)]
-ClientId = Annotated[str, AfterValidator(lambda v: validate_id(v, "client id"))]
+ClientId = Annotated[str, AfterValidator(lambda v: validate_id(v, "client id")), IdentifierSchema]
 
 
 class AppClientCreate(Request):
@@ -193,8 +194,11 @@ ENDPOINTS = [
              Role.VIEWER, "apps", response=AppClientList),
     Endpoint("POST", "/api/v1/apps", create_app_client,
              "Create an application MQTT account (the password is in this answer only)",
-             Role.OPERATOR, "apps", body=AppClientCreate, response=AppClientCreated, status=201),
+             Role.OPERATOR, "apps", body=AppClientCreate, response=AppClientCreated, status=201,
+             answers={409: "the client id is taken, or was used before",
+                      503: "database or broker unavailable; nothing changed, retry later"}),
     Endpoint("DELETE", "/api/v1/apps/{client_id}", revoke_app_client,
              "Revoke an application MQTT account: disabled at the broker, live session closed",
-             Role.OPERATOR, "apps", response=AppClientOut),
+             Role.OPERATOR, "apps", response=AppClientOut,
+             answers={503: "database or broker unavailable; nothing changed, retry later"}),
 ]

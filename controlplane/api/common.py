@@ -21,7 +21,7 @@ import logging
 import time
 import typing
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
@@ -94,6 +94,13 @@ class Endpoint:
     """One route: how to serve it, who may call it, and how the OpenAPI document describes it.
 
     ``role`` None means public. ``max_body`` None means ``settings.max_body_bytes``.
+    ``raw_body`` is the media type of a body the handler reads unparsed (``body`` is then
+    None); ``media_type`` that of a success answer without a ``response`` model.
+
+    The statuses the document lists follow from the declaration (:mod:`controlplane.openapi`:
+    400 with a body or query, 401 and 503 with a role, 403 with a role above viewer, 404 with
+    a path parameter, 413 and 415 with a body); ``answers`` adds the others this handler
+    gives, status to description (another success status, 409, ...).
     """
 
     method: str
@@ -107,6 +114,9 @@ class Endpoint:
     response: type[BaseModel] | None = None
     status: int = 200
     max_body: int | None = None
+    answers: dict[int, str] = field(default_factory=dict, hash=False)
+    raw_body: str | None = None
+    media_type: str | None = None
 
 
 # ---------------------------------------------------------------------------- answers
@@ -155,18 +165,40 @@ async def read_json(request: web.Request, max_bytes: int) -> Any:
         raise ApiError(ErrorCode.BAD_REQUEST, str(e)) from e
 
 
-def validated(obj: Any, cls: type[M]) -> M:
-    """``obj`` validated as ``cls``; raises :class:`ApiError` (400) naming the first error."""
+_INT64 = range(-(2**63), 2**63)
+
+
+def _json_schema_numbers(obj: Any) -> Any:
+    """``obj`` with every float that has no fraction as an int: JSON Schema counts ``5.0`` an
+    integer, pydantic's strict mode does not."""
+    if isinstance(obj, float) and obj.is_integer() and int(obj) in _INT64:
+        return int(obj)
+    if isinstance(obj, dict):
+        return {k: _json_schema_numbers(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_schema_numbers(v) for v in obj]
+    return obj
+
+
+def validated(obj: Any, cls: type[M], *, strict: bool = False) -> M:
+    """``obj`` validated as ``cls``; raises :class:`ApiError` (400) naming the first error.
+
+    ``strict`` takes JSON types as JSON Schema (the OpenAPI document) reads them: ``0`` is no
+    boolean and ``"5"`` no integer, ``5.0`` is one. Query strings need the lax form.
+    """
     try:
+        if strict:
+            data = orjson.dumps(_json_schema_numbers(obj))
+            return cls.model_validate_json(data, strict=True)
         return cls.model_validate(obj)
     except ValidationError as e:
         raise ApiError(ErrorCode.BAD_REQUEST, describe_validation_error(e)) from e
 
 
 async def read_body(request: web.Request, cls: type[M], max_bytes: int | None = None) -> M:
-    """Read, size-check, parse and validate the body as ``cls``."""
+    """Read, size-check, parse and validate the body as ``cls`` (strict JSON types)."""
     cap = max_bytes if max_bytes is not None else services(request).settings.max_body_bytes
-    return validated(await read_json(request, cap), cls)
+    return validated(await read_json(request, cap), cls, strict=True)
 
 
 def _is_list(annotation: Any) -> bool:

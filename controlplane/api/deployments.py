@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from controlplane.api.common import (
     ApiError,
@@ -29,7 +29,7 @@ from controlplane.api.common import (
     read_query,
     services,
 )
-from controlplane.api.schemas import Request, Response
+from controlplane.api.schemas import Request, Response, RowId
 from controlplane.auth import Role, principal_of
 from controlplane.broker.base import BrokerProvisioner
 from controlplane.db import DatabaseError
@@ -66,6 +66,13 @@ NOT_PUBLISHED = (
 class SelectorIn(Request):
     """Exactly one of: one device, a group, or labels that must all match."""
 
+    # What _exactly_one checks, for the document: one field set (not null; labels not empty).
+    model_config = ConfigDict(json_schema_extra={"oneOf": [
+        {"required": ["device_id"], "properties": {"device_id": {"type": "string"}}},
+        {"required": ["group"], "properties": {"group": {"type": "string"}}},
+        {"required": ["labels"], "properties": {"labels": {"type": "object", "minProperties": 1}}},
+    ]})
+
     device_id: Identifier | None = None
     group: Identifier | None = None
     labels: Labels | None = None
@@ -86,7 +93,16 @@ class CanaryIn(Request):
 
 
 class DeploymentCreate(Request):
-    """Make ``version`` the stable version of ``model`` on the selected accepted devices."""
+    """Make ``version`` the stable version of ``model`` on the selected accepted devices.
+
+    A canary or a shadow version, not both; either must differ from ``version``.
+    """
+
+    # A canary and a shadow together are refused (InvalidDeploymentError, 400).
+    model_config = ConfigDict(json_schema_extra={"not": {
+        "required": ["canary", "shadow"],
+        "properties": {"canary": {"type": "object"}, "shadow": {"type": "string"}},
+    }})
 
     model: Identifier
     version: VersionText
@@ -137,7 +153,7 @@ class DeploymentList(Response):
 
 class DeploymentQuery(Request):
     limit: Annotated[int, Field(ge=1, le=1000)] = 100
-    before_id: Annotated[int, Field(ge=1)] | None = None
+    before_id: RowId | None = None
     model: Identifier | None = None
 
 
@@ -369,10 +385,18 @@ ENDPOINTS = [
     Endpoint("POST", "/api/v1/deployments", create_deployment,
              "Deploy a model version to a device, group or labels; signs and publishes each "
              "device's desired state", Role.OPERATOR, "deployments", body=DeploymentCreate,
-             response=DeploymentResult, status=201),
+             response=DeploymentResult, status=201,
+             answers={400: "invalid request: the body breaks its schema, or the canary or shadow "
+                      "version equals the stable one",
+                      404: "no such model version, or no such device",
+                      409: "the device is not accepted or does not fit the version, a "
+                      "downgrade without rollback, or a new desired state would be invalid or "
+                      "too large"}),
     Endpoint("POST", "/api/v1/deployments/undeploy", undeploy,
              "Remove a model from a device, group or labels", Role.OPERATOR, "deployments",
-             body=UndeployRequest, response=DeploymentResult),
+             body=UndeployRequest, response=DeploymentResult,
+             answers={404: "no such device, or it does not have the model",
+                      409: "a new desired state would be invalid or too large"}),
     Endpoint("GET", "/api/v1/deployments", list_deployments, "Deployments, newest first",
              Role.VIEWER, "deployments", query=DeploymentQuery, response=DeploymentList),
     Endpoint("GET", "/api/v1/devices/{device_id}/desired", get_desired,
@@ -383,5 +407,7 @@ ENDPOINTS = [
              "deployments", response=DeviceModels),
     Endpoint("DELETE", "/api/v1/devices/{device_id}/models/{model}", remove_device_model,
              "Remove one model from one device", Role.OPERATOR, "deployments",
-             response=DeploymentResult),
+             response=DeploymentResult,
+             answers={404: "no such device, or it does not have the model",
+                      409: "a new desired state would be invalid or too large"}),
 ]

@@ -20,6 +20,7 @@ from controlplane.api.common import (
     services,
 )
 from controlplane.api.schemas import (
+    CONNECTION_STATES,
     DeviceDetail,
     DeviceList,
     DeviceOut,
@@ -35,8 +36,6 @@ from controlplane.enrollment import DeviceStatus
 from shared.protocol.base import MAX_LABELS
 from shared.protocol.command import ErrorCode
 
-CONNECTION_STATES = {"online": True, "offline": False}
-
 
 def device_out(view: DeviceView) -> DeviceOut:
     return DeviceOut.model_validate(view)
@@ -47,9 +46,7 @@ def device_filter(query: DeviceQuery) -> DeviceFilter:
     labels: dict[str, str] = {}
     keys: list[str] = []
     for item in query.label:
-        key, sep, value = item.partition("=")
-        if not key:
-            raise ApiError(ErrorCode.BAD_REQUEST, f"label filter {item!r} needs a key")
+        key, sep, value = item.partition("=")  # a valid filter's key holds no "="
         if sep:
             labels[key] = value
         else:
@@ -166,5 +163,6 @@ ENDPOINTS = [
              response=DeviceDetail),
     Endpoint("POST", "/api/v1/devices/{device_id}/revoke", revoke_device,
              "Revoke a device: disabled at the broker and refused on every path",
-             Role.OPERATOR, "devices", body=ReasonBody, response=DeviceDetail),
+             Role.OPERATOR, "devices", body=ReasonBody, response=DeviceDetail,
+             answers={503: "database or broker unavailable; nothing changed, retry later"}),
 ]

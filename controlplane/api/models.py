@@ -332,6 +332,14 @@ ENDPOINTS = [
         "models",
         response=ModelVersionOut,
         status=201,
+        raw_body=OCTET_STREAM,
+        answers={
+            200: "the same bytes were published before",
+            400: "not a well-formed, signed bundle, or an empty body",
+            403: "needs the operator role, or the signer is not a registered publisher key",
+            409: "the version exists with other bytes",
+            503: "database or model repository unavailable; retry later",
+        },
     ),
     Endpoint(
         "GET",
@@ -379,6 +387,11 @@ ENDPOINTS = [
         body=PublisherCreate,
         response=PublisherOut,
         status=201,
+        answers={
+            200: "the key is registered already",
+            409: "the key was revoked; it cannot be added again",
+            503: "database or model repository unavailable; retry later",
+        },
     ),
     Endpoint(
         "DELETE",
@@ -388,6 +401,7 @@ ENDPOINTS = [
         Role.ADMIN,
         "models",
         response=PublisherOut,
+        answers={503: "database or model repository unavailable; retry later"},
     ),
     Endpoint(
         "GET",
@@ -397,5 +411,6 @@ ENDPOINTS = [
         Role.VIEWER,
         "models",
         response=RepositoryOut,
+        answers={503: "database or model repository unavailable; retry later"},
     ),
 ]

@@ -7,18 +7,28 @@ name is an error, not a silent no-op), the JSON answer, and the OpenAPI document
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
 
 from controlplane.auth import Role
 from controlplane.enrollment import Approval, DeviceStatus
 from shared.errors import KeyFileError
-from shared.protocol.base import HexKey, Identifier, Labels
+from shared.protocol.base import (
+    LABEL_KEY_PATTERN,
+    LABEL_VALUE_PATTERN,
+    HexKey,
+    Identifier,
+    LabelKey,
+    Labels,
+)
 from shared.protocol.command import ErrorCode
 from shared.protocol.enrollment import EnrollmentRequest
+from shared.protocol.repo import MAX_PATH_LENGTH, REPO_SEGMENT_PATTERN
 from shared.signing import check_public_key
+from shared.version import MAX_VERSION_LENGTH, SEMVER_PATTERN
 
 Username = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
 Password = Annotated[str, StringConstraints(min_length=8, max_length=1024)]
@@ -46,9 +56,36 @@ PublicKeyHex = Annotated[
 ]
 MAX_EXPIRY_S = 10 * 365 * 24 * 3600
 ExpiresIn = Annotated[int, Field(ge=60, le=MAX_EXPIRY_S, description="seconds from now")]
+MAX_ROW_ID = 2**63 - 1
+"""The largest row id (a signed 64-bit integer in every database we run on)."""
+RowId = Annotated[int, Field(ge=1, le=MAX_ROW_ID)]
+MAX_PATH_ID_DIGITS = 18
+PathId = Annotated[int, Field(ge=0, le=10**MAX_PATH_ID_DIGITS - 1)]
+"""A numeric id in a path (:func:`controlplane.api.common.path_int`: at most 18 digits)."""
+
+CONNECTION_STATES = {"online": True, "offline": False}
+"""Status filters that select accepted devices by their broker connection."""
+STATUS_FILTERS = (*(s.value for s in DeviceStatus), *CONNECTION_STATES)
+
+# ``key`` (has the label) or ``key=value`` (exactly), with the key and value rules of labels.
+LABEL_FILTER_PATTERN = f"^{LABEL_KEY_PATTERN[1:-1]}(?:={LABEL_VALUE_PATTERN[1:-1]})?$"
+_LABEL_FILTER = re.compile(LABEL_FILTER_PATTERN)
 
 
-LabelKey = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._/-]{0,62}$")]
+def _check_label_filter(item: str) -> str:
+    if _LABEL_FILTER.fullmatch(item) is None:
+        raise ValueError(
+            f"label filter {item!r:.80} must be key or key=value, with a label key "
+            "(1-63 chars of a-z 0-9 . _ / -, starting with a-z 0-9) and a printable value"
+        )
+    return item
+
+
+LabelFilter = Annotated[
+    str, AfterValidator(_check_label_filter),
+    WithJsonSchema({"type": "string", "pattern": LABEL_FILTER_PATTERN, "maxLength": 192}),
+]
+StatusFilter = Annotated[str, WithJsonSchema({"type": "string", "enum": list(STATUS_FILTERS)})]
 
 
 class Request(BaseModel):
@@ -195,11 +232,11 @@ class DeviceList(Response):
 class DeviceQuery(Request):
     """Query parameters of ``GET /api/v1/devices``; repeated ``label`` parameters are ANDed."""
 
-    label: list[Annotated[str, StringConstraints(max_length=200)]] = Field(
+    label: list[LabelFilter] = Field(
         default_factory=list, description="key=value (exact) or key (has the label)"
     )
     profile: Identifier | None = None
-    status: list[str] = Field(
+    status: list[StatusFilter] = Field(
         default_factory=list,
         description="preauthorized, pending, accepted, rejected, revoked, online or offline",
     )
@@ -208,11 +245,11 @@ class DeviceQuery(Request):
         default=None, description="substring of the device id"
     )
     limit: Annotated[int, Field(ge=1, le=1000)] = 100
-    offset: Annotated[int, Field(ge=0)] = 0
+    offset: Annotated[int, Field(ge=0, le=MAX_ROW_ID)] = 0
 
 
 class LabelsPatch(Request):
-    """Set some labels and remove others in one change."""
+    """Set some labels and remove others in one change (a key is not both set and removed)."""
 
     set: Labels = Field(default_factory=dict)
     remove: list[LabelKey] = Field(default_factory=list, max_length=32)
@@ -235,13 +272,19 @@ class ApprovalList(Response):
 
 # ---------------------------------------------------------------------------- enrollment
 class SignatureOut(BaseModel):
+    # shared.signing refuses an envelope or signature with any other key (documented here).
+    model_config = ConfigDict(extra="forbid")
+
     keyid: HexKey
     sig: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{128}$")]
 
 
 class SignedEnrollment(BaseModel):
     """What ``POST /api/v1/enroll`` takes: an enrollment request signed by the device key it
-    names (``shared.protocol.enrollment.sign_enrollment``)."""
+    names (``shared.protocol.enrollment.sign_enrollment``), an Ed25519 key, with a timestamp
+    near the server's clock."""
+
+    model_config = ConfigDict(extra="forbid")
 
     signed: EnrollmentRequest
     signatures: list[SignatureOut] = Field(min_length=1, max_length=4)
@@ -250,7 +293,7 @@ class SignedEnrollment(BaseModel):
 # ---------------------------------------------------------------------------- audit
 class AuditQuery(Request):
     limit: Annotated[int, Field(ge=1, le=1000)] = 100
-    before_id: Annotated[int, Field(ge=1)] | None = None
+    before_id: RowId | None = None
     action: Annotated[str, StringConstraints(max_length=64)] | None = None
     target_type: Annotated[str, StringConstraints(max_length=32)] | None = None
     target_id: Annotated[str, StringConstraints(max_length=128)] | None = None
@@ -276,3 +319,33 @@ class Health(Response):
     version: str
     database: str | None = None
     schema_revision: str | None = None
+
+
+# ---------------------------------------------------------------------------- path parameters
+_REPO_TARGET_PATTERN = f"^{REPO_SEGMENT_PATTERN}(?:/{REPO_SEGMENT_PATTERN}){{0,7}}$"
+PATH_PARAMETERS: dict[str, Any] = {
+    "device_id": Identifier,
+    "client_id": Identifier,
+    "model": Identifier,
+    "name": Identifier,
+    "version": Annotated[
+        str, WithJsonSchema(
+            {"type": "string", "pattern": SEMVER_PATTERN, "maxLength": MAX_VERSION_LENGTH}
+        ),
+    ],
+    "username": Username,
+    "keyid": HexKey,
+    "token_id": PathId,
+    "file": Annotated[
+        str, WithJsonSchema({"type": "string", "pattern": f"^{REPO_SEGMENT_PATTERN}$"})
+    ],
+    "path": Annotated[
+        str, WithJsonSchema({
+            "type": "string", "pattern": _REPO_TARGET_PATTERN,
+            "maxLength": MAX_PATH_LENGTH - len("targets/"),
+        }),
+    ],
+}
+"""The type of every path parameter, by name, as the OpenAPI document gives it. Ids are
+validated when their objects are made, so one that breaks its pattern names nothing: the
+answer is 404, like any other unknown id (a repository file's path that breaks it: 400)."""

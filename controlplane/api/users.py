@@ -185,7 +185,9 @@ async def update_user(request: web.Request) -> web.Response:
 ENDPOINTS = [
     Endpoint("POST", "/api/v1/auth/login", login, "Log in: trade a password for an API token",
              None, "auth", body=LoginRequest, response=ApiTokenCreated, status=201,
-             max_body=LOGIN_MAX_BODY),
+             max_body=LOGIN_MAX_BODY,
+             answers={401: "wrong username or password, or the user is disabled",
+                      503: "database unavailable; retry later"}),
     Endpoint("GET", "/api/v1/auth/whoami", whoami, "The caller's user and role", Role.VIEWER,
              "auth", response=WhoAmI),
     Endpoint("GET", "/api/v1/api-tokens", list_api_tokens,
@@ -196,8 +198,10 @@ ENDPOINTS = [
     Endpoint("GET", "/api/v1/users", list_users, "List users", Role.ADMIN, "users",
              response=UserList),
     Endpoint("POST", "/api/v1/users", create_user, "Create a user", Role.ADMIN, "users",
-             body=UserCreate, response=UserOut, status=201),
+             body=UserCreate, response=UserOut, status=201,
+             answers={409: "a user of that name exists"}),
     Endpoint("PATCH", "/api/v1/users/{username}", update_user,
              "Change a user's role, password or disabled flag", Role.ADMIN, "users",
-             body=UserUpdate, response=UserOut),
+             body=UserUpdate, response=UserOut,
+             answers={409: "an admin cannot disable or demote themselves"}),
 ]

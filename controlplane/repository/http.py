@@ -82,6 +82,15 @@ async def repo_target(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "targets/" + request.match_info["path"])
 
 
+# What web.FileResponse answers besides 200, and the refusals of _serve.
+_FILE_ANSWERS = {
+    206: "the part of the file a Range header asked for",
+    304: "not modified since the If-Modified-Since time",
+    400: "not a repository path",
+    403: "the HTTP repository is off on this control plane",
+    412: "modified since the If-Unmodified-Since time",
+    416: "the Range header asks for bytes the file does not have",
+}
 ENDPOINTS = [
     Endpoint(
         "GET",
@@ -90,6 +99,8 @@ ENDPOINTS = [
         "TUF metadata of the model repository (public: signed)",
         None,
         "repository",
+        media_type="application/json",
+        answers=_FILE_ANSWERS,
     ),
     Endpoint(
         "GET",
@@ -99,6 +110,8 @@ ENDPOINTS = [
         "deep; Range requests work (public: hashed by signed metadata)",
         None,
         "repository",
+        media_type="application/octet-stream",
+        answers=_FILE_ANSWERS,
     ),
 ]
 """How the OpenAPI document describes the routes :func:`add_repository_routes` adds (the

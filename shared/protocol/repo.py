@@ -40,7 +40,9 @@ MAX_CHUNK_BYTES = 128 * 1024
 """The most bytes one reply carries."""
 
 MAX_PATH_LENGTH = 512
-_PATH = re.compile(r"(?:metadata|targets)(?:/[A-Za-z0-9][A-Za-z0-9._+-]{0,127}){1,8}")
+REPO_SEGMENT_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}"
+"""One segment of a repository path (unanchored): never ``..``, never a hidden file."""
+_PATH = re.compile(rf"(?:metadata|targets)(?:/{REPO_SEGMENT_PATTERN}){{1,8}}")
 
 
 def validate_repo_path(path: str) -> str:

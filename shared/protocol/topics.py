@@ -45,7 +45,9 @@ from shared.errors import TopicError
 PREFIX = "mcp/v1"
 SHARE_PREFIX = "$share"
 MAX_TOPIC_LENGTH = 512
-_IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+"""What :func:`validate_id` accepts, as a regular expression (JSON Schema's ``pattern``)."""
+_IDENT = re.compile(IDENTIFIER_PATTERN)
 _REPLY_TOKEN = re.compile(r"[A-Za-z0-9_-]{22,64}")
 REPLY_TOKEN_BYTES = 16
 """Random bytes in a new reply token: ``secrets.token_urlsafe(16)`` is 22 characters."""
