@@ -11,7 +11,15 @@ import re
 from datetime import datetime
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    WithJsonSchema,
+    model_validator,
+)
 
 from controlplane.auth import Role
 from controlplane.enrollment import Approval, DeviceStatus
@@ -88,10 +96,30 @@ LabelFilter = Annotated[
 StatusFilter = Annotated[str, WithJsonSchema({"type": "string", "enum": list(STATUS_FILTERS)})]
 
 
+def _refuse_nul(value: Any, where: str = "") -> None:
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{where or 'a value'} contains a NUL character")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _refuse_nul(k, "a key")
+            _refuse_nul(v, str(k))
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _refuse_nul(v, where)
+
+
 class Request(BaseModel):
-    """Base of request bodies: unknown fields are errors."""
+    """Base of request bodies and query strings: unknown fields are errors, and no string may
+    hold a NUL character (PostgreSQL's text columns cannot store one; it is never meaningful)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_nul(cls, data: Any) -> Any:
+        _refuse_nul(data)
+        return data
 
 
 class Response(BaseModel):

@@ -314,6 +314,19 @@ async def test_unauthenticated_requests_get_401(cp: ControlPlane) -> None:
     assert status == 401 and "disabled" in answer["error"]
 
 
+async def test_nul_characters_are_refused_with_400_on_every_database(cp: ControlPlane) -> None:
+    # PostgreSQL text cannot hold NUL: without the check these reached the database as a 500.
+    cases: list[tuple[str, str, dict[str, Any]]] = [
+        ("GET", "/api/v1/audit", {"params": {"action": "device.\x00accepted"}}),
+        ("GET", "/api/v1/audit", {"params": {"target_id": "\x00"}}),
+        ("GET", "/api/v1/devices", {"params": {"q": "cam\x00"}}),
+        ("POST", "/api/v1/enrollment-tokens", {"body": {"description": "line\x00a"}}),
+    ]
+    for method, path, kwargs in cases:
+        status, answer = await cp.call(method, path, **kwargs)
+        assert status == 400 and "NUL" in answer["error"], (path, kwargs, answer)
+
+
 async def test_malformed_requests_get_400(cp: ControlPlane) -> None:
     json_headers = {"Content-Type": "application/json"}
     cases: list[tuple[str, str, dict[str, Any]]] = [
