@@ -191,7 +191,9 @@ def build_openapi(
             "title": title,
             "version": version,
             "description": "Fleet management API. Authenticate with `Authorization: Bearer "
-            "<API token>` (from `mcp-controlplane init` or `POST /api/v1/auth/login`).",
+            "<API token>` (from `mcp-controlplane init` or `POST /api/v1/auth/login`). No "
+            "string in a query parameter or a body may contain a NUL character (U+0000): "
+            "such a request is answered 400.",
         },
         "paths": paths,
         "components": {

@@ -60,6 +60,8 @@ BEYOND_THE_SCHEMA = {
     "POST /api/v1/deployments": re.compile(r"must differ from the stable version"),
     "PATCH /api/v1/devices/{device_id}/labels": re.compile(r"both set and removed"),
 }
+# Every operation: no string may hold a NUL character (the document's description says so).
+NUL_REFUSED = re.compile(r"contains a NUL character")
 def served_document() -> dict[str, Any]:
     """The document the app serves; building the app touches neither disk nor network."""
     app = create_app(Settings(data_dir=Path("unused")), FakeProvisioner())
@@ -129,9 +131,11 @@ def test_every_operation_answers_as_its_document_says(case: Any, live_cp: str) -
     refusal = BEYOND_THE_SCHEMA.get(label)
     positive = case.meta is not None and case.meta.generation.mode.is_positive
     checks = CHECKS
-    if refusal is not None and positive and response.status_code == 400:
+    if positive and response.status_code == 400:
         message = response.json()["error"]
-        assert refusal.search(message), f"{label} refused a valid request: {message}"
+        if NUL_REFUSED.search(message) is None:
+            assert refusal is not None and refusal.search(message), (
+                f"{label} refused a valid request: {message}")
         checks = [c for c in CHECKS if c is not positive_data_acceptance]
     case.validate_response(response, checks=checks, headers=headers)
     if case.operation.definition.raw.get("security"):
