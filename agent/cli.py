@@ -8,13 +8,13 @@ from typing import Any
 
 import click
 
-from agent import __version__
-from agent.enroll_cli import enroll_command
-from agent.fleet.cli import infer_command
-from agent.run import run_command
-from agent.serve import serve_command
-from agent.update.cli import updates_command
-from shared.profiles import HardwareProfile, load_profiles
+from mcp_edge.agent import __version__
+from mcp_edge.agent.enroll_cli import enroll_command
+from mcp_edge.agent.fleet.cli import infer_command
+from mcp_edge.agent.run import run_command
+from mcp_edge.agent.serve import serve_command
+from mcp_edge.agent.update.cli import updates_command
+from mcp_edge.shared.profiles import HardwareProfile, load_profiles
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -78,8 +78,13 @@ def doctor_cmd(
     Exits 0 after a full report, 1 when no profile fits this box (pass --profile), and 2 for an
     unknown --profile or --backend name.
     """
-    from agent.hardware import NoProfileError, UnknownProfileError, collect_facts, select_profile
-    from agent.runtime.loader import available_backends  # imports onnxruntime: only here
+    from mcp_edge.agent.hardware import (
+        NoProfileError,
+        UnknownProfileError,
+        collect_facts,
+        select_profile,
+    )
+    from mcp_edge.agent.runtime.loader import available_backends  # imports onnxruntime: only here
 
     profiles = load_profiles()
     facts = collect_facts(root, system=system, machine=machine)
@@ -107,7 +112,7 @@ def _backend_plan(profile: HardwareProfile, backend: str | None) -> dict[str, An
     """
     import onnxruntime
 
-    from agent.runtime.loader import PROVIDER_ALIASES, onnx_providers, provider_alias
+    from mcp_edge.agent.runtime.loader import PROVIDER_ALIASES, onnx_providers, provider_alias
 
     flag_of: dict[str, str] = {}
     for alias, provider in PROVIDER_ALIASES.items():

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import aiohttp
 
-from agent import __version__
-from agent.identity import load_enrollment, load_or_create_device_key, save_enrollment
-from shared.errors import McpError, MessageError
-from shared.protocol.codec import decode, loads
-from shared.protocol.enrollment import (
+from mcp_edge.agent import __version__
+from mcp_edge.agent.identity import load_enrollment, load_or_create_device_key, save_enrollment
+from mcp_edge.shared.errors import McpError, MessageError
+from mcp_edge.shared.protocol.codec import decode, loads
+from mcp_edge.shared.protocol.enrollment import (
     EnrollmentAnswer,
     EnrollmentRequest,
     EnrollmentStatus,
@@ -122,7 +122,7 @@ def _store_tuf_root(state_dir: Path, root: dict[str, object]) -> None:
     """Keep the TUF root from the answer as the update agent's trust anchor."""
     import json
 
-    from agent.update.tuf_client import store_bootstrap_root
+    from mcp_edge.agent.update.tuf_client import store_bootstrap_root
 
     try:
         store_bootstrap_root(state_dir, json.dumps(root).encode())

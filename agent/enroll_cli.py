@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from agent.serve import default_state_dir
-from shared.errors import McpError
+from mcp_edge.agent.serve import default_state_dir
+from mcp_edge.shared.errors import McpError
 
 
 def _labels(values: tuple[str, ...]) -> dict[str, str]:
@@ -46,11 +46,11 @@ def enroll_command(
       mcp-agent enroll --server http://cp:8080 --token $TOKEN --wait 600
     """
     # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
-    from agent.enroll import AlreadyEnrolled, EnrollError, enroll
-    from agent.hardware import collect_facts, select_profile
-    from agent.identity import IdentityError, enrollment_path
-    from shared.profiles import load_profiles
-    from shared.protocol.enrollment import EnrollmentStatus
+    from mcp_edge.agent.enroll import AlreadyEnrolled, EnrollError, enroll
+    from mcp_edge.agent.hardware import collect_facts, select_profile
+    from mcp_edge.agent.identity import IdentityError, enrollment_path
+    from mcp_edge.shared.profiles import load_profiles
+    from mcp_edge.shared.protocol.enrollment import EnrollmentStatus
 
     state = state_dir or default_state_dir()
     try:

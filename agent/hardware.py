@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.errors import McpError
-from shared.profiles import HardwareProfile, load_profiles
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.profiles import HardwareProfile, load_profiles
 
 READ_CAP_BYTES = 2 * 1024 * 1024
 """Most bytes read from any one file; a 512-core ``/proc/cpuinfo`` is about 1 MiB."""

@@ -26,20 +26,20 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from agent import __version__
-from agent.metrics import AgentMetrics
-from agent.preprocess import PreprocessError, prepare_v1_inputs, top_k
-from agent.runtime.batcher import (
+from mcp_edge.agent import __version__
+from mcp_edge.agent.metrics import AgentMetrics
+from mcp_edge.agent.preprocess import PreprocessError, prepare_v1_inputs, top_k
+from mcp_edge.agent.runtime.batcher import (
     BatcherClosedError,
     DeadlineExceededError,
     OverloadedError,
     Priority,
 )
-from agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
-from agent.runtime.runner import InferenceError, InputError
-from agent.tensor_io import decode_feeds, encode_response, output_names
-from shared.errors import MessageError
-from shared.protocol.wire import ErrorCode, loads
+from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
+from mcp_edge.agent.runtime.runner import InferenceError, InputError
+from mcp_edge.agent.tensor_io import decode_feeds, encode_response, output_names
+from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.protocol.wire import ErrorCode, loads
 
 log = logging.getLogger("mcp.agent.http")
 

@@ -15,11 +15,11 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import McpError, MessageError
-from shared.fsutil import atomic_write_bytes
-from shared.protocol.codec import validate
-from shared.protocol.enrollment import EnrollmentAnswer
-from shared.signing import PrivateKey, read_private_key, write_private_key
+from mcp_edge.shared.errors import McpError, MessageError
+from mcp_edge.shared.fsutil import atomic_write_bytes
+from mcp_edge.shared.protocol.codec import validate
+from mcp_edge.shared.protocol.enrollment import EnrollmentAnswer
+from mcp_edge.shared.signing import PrivateKey, read_private_key, write_private_key
 
 MAX_ENROLLMENT_BYTES = 512 * 1024
 

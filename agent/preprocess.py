@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agent.runtime.runner import Array
+from mcp_edge.agent.runtime.runner import Array
 
 if TYPE_CHECKING:
-    from agent.runtime.manager import LoadedVersion
+    from mcp_edge.agent.runtime.manager import LoadedVersion
 
 MAX_IMAGES = 64
 MAX_IMAGE_BYTES = 4 * 1024 * 1024

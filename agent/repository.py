@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.runtime.manager import ModelManager, ModelSource
-from agent.runtime.runner import RunnerError
-from shared.errors import McpError
-from shared.profiles import HardwareProfile
+from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
+from mcp_edge.agent.runtime.runner import RunnerError
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.profiles import HardwareProfile
 
 if TYPE_CHECKING:
-    from shared.bundle import BundleManifest
-    from shared.signing import PublicKey
+    from mcp_edge.shared.bundle import BundleManifest
+    from mcp_edge.shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent.repository")
 
@@ -141,7 +141,7 @@ class ModelRepository:
         return ModelSource(name=name, version=str(version), model_path=path, origin=path)
 
     def _bundle_source(self, path: Path) -> ModelSource:
-        from shared.bundle import open_bundle  # only when a bundle is served
+        from mcp_edge.shared.bundle import open_bundle  # only when a bundle is served
 
         self.bundle_dir.mkdir(parents=True, exist_ok=True)
         dest = self.bundle_dir / f"{path.stem}-{fingerprint(path)[0]}"

@@ -20,20 +20,20 @@ from urllib.parse import urlsplit
 
 import click
 
-from agent.runtime.manager import ModelManager
-from agent.serve import Attach
-from shared.errors import McpError
-from shared.profiles import HardwareProfile
+from mcp_edge.agent.runtime.manager import ModelManager
+from mcp_edge.agent.serve import Attach
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.profiles import HardwareProfile
 
 if TYPE_CHECKING:
-    from agent.update.transport import RepoTransport
-    from shared.protocol.enrollment import TrustRoot
-    from shared.signing import PublicKey
+    from mcp_edge.agent.update.transport import RepoTransport
+    from mcp_edge.shared.protocol.enrollment import TrustRoot
+    from mcp_edge.shared.signing import PublicKey
 
 
 def broker_address(url: str) -> tuple[str, int, bool]:
     """``mqtt://host:port`` / ``mqtts://host:port`` → (host, port, tls). Raises IdentityError."""
-    from agent.identity import IdentityError
+    from mcp_edge.agent.identity import IdentityError
 
     parts = urlsplit(url)
     if parts.scheme not in ("mqtt", "mqtts", "tcp", "ssl") or not parts.hostname:
@@ -47,11 +47,11 @@ def repo_transport(url: str) -> RepoTransport:
 
     Raises ValueError for another scheme or a missing directory.
     """
-    from agent.update.transport_file import FileRepoTransport
+    from mcp_edge.agent.update.transport_file import FileRepoTransport
 
     scheme = urlsplit(url).scheme
     if scheme in ("http", "https"):
-        from agent.update.transport_http import HttpRepoTransport
+        from mcp_edge.agent.update.transport_http import HttpRepoTransport
 
         return HttpRepoTransport(url)
     if scheme in ("", "file"):
@@ -69,8 +69,8 @@ def fleet_attachment(
 ) -> Attach:
     """The ``attach`` hook for :func:`agent.serve.run_server` that runs the fleet session."""
     # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
-    from agent.identity import IdentityError, load_enrollment
-    from shared.protocol.enrollment import EnrollmentStatus
+    from mcp_edge.agent.identity import IdentityError, load_enrollment
+    from mcp_edge.shared.protocol.enrollment import EnrollmentStatus
 
     enrollment = load_enrollment(state_dir)
     if enrollment is None:
@@ -89,10 +89,10 @@ def fleet_attachment(
     async def attach(manager: ModelManager, profile: HardwareProfile) -> AsyncIterator[object]:
         import ssl
 
-        from agent.fleet.metrics import FleetMetrics
-        from agent.fleet.session import FleetConfig, FleetSession
-        from agent.fleet.spool import Spool
-        from agent.fleet.telemetry import HealthCollector
+        from mcp_edge.agent.fleet.metrics import FleetMetrics
+        from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
+        from mcp_edge.agent.fleet.spool import Spool
+        from mcp_edge.agent.fleet.telemetry import HealthCollector
 
         assert answer.broker is not None
         config = FleetConfig(
@@ -107,7 +107,7 @@ def fleet_attachment(
             inference_interval_s=inference_interval_s,
             **({} if max_reply_bytes is None else {"max_reply_bytes": max_reply_bytes}),
         )
-        from agent.update.updater import UpdateAgent
+        from mcp_edge.agent.update.updater import UpdateAgent
 
         spool = Spool(state_dir / "spool.sqlite3")
         health = HealthCollector(sources=profile.telemetry.sources, disk_path=state_dir)
@@ -144,8 +144,8 @@ def _trust(state_dir: Path, trust: TrustRoot | None) -> tuple[list[PublicKey], b
     """Director keys and the TUF root this device was given at enrollment."""
     import json
 
-    from agent.update.tuf_client import load_bootstrap_root
-    from shared.signing import PublicKey
+    from mcp_edge.agent.update.tuf_client import load_bootstrap_root
+    from mcp_edge.shared.signing import PublicKey
 
     if trust is None:
         return [], load_bootstrap_root(state_dir)
@@ -193,8 +193,13 @@ def run_command(
       mcp-agent run                       # models come from the control plane
       mcp-agent run --model-path ./models # plus local ones
     """
-    from agent.serve import ServeConfig, configure_logging, default_state_dir, run_until_stopped
-    from shared.signing import read_public_key
+    from mcp_edge.agent.serve import (
+        ServeConfig,
+        configure_logging,
+        default_state_dir,
+        run_until_stopped,
+    )
+    from mcp_edge.shared.signing import read_public_key
 
     configure_logging(log_level)
     state = state_dir or default_state_dir()

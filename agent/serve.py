@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING
 import click
 from aiohttp import web
 
-from agent.http_api import DEFAULT_MAX_BODY, build_app
-from agent.repository import ModelRepository, RepositoryError, RepositoryWatcher
-from agent.runtime.batcher import BatchingConfig
-from agent.runtime.manager import ModelManager, ModelSource, RunnerFactory
-from agent.runtime.runner import ModelRunner
-from shared.errors import McpError
-from shared.profiles import HardwareProfile
+from mcp_edge.agent.http_api import DEFAULT_MAX_BODY, build_app
+from mcp_edge.agent.repository import ModelRepository, RepositoryError, RepositoryWatcher
+from mcp_edge.agent.runtime.batcher import BatchingConfig
+from mcp_edge.agent.runtime.manager import ModelManager, ModelSource, RunnerFactory
+from mcp_edge.agent.runtime.runner import ModelRunner
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.profiles import HardwareProfile
 
 if TYPE_CHECKING:
-    from shared.signing import PublicKey
+    from mcp_edge.shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent")
 
@@ -87,8 +87,8 @@ def default_state_dir() -> Path:
 
 def choose_profile(name: str | None) -> tuple[HardwareProfile, list[str]]:
     """The profile for this box (or ``name``) and the reasons it was chosen."""
-    from agent.hardware import collect_facts, select_profile
-    from shared.profiles import load_profiles
+    from mcp_edge.agent.hardware import collect_facts, select_profile
+    from mcp_edge.shared.profiles import load_profiles
 
     choice = select_profile(collect_facts(), load_profiles(), override=name)
     return choice.profile, list(choice.reasons)
@@ -97,7 +97,7 @@ def choose_profile(name: str | None) -> tuple[HardwareProfile, list[str]]:
 def runner_factory(
     profile: HardwareProfile, *, workers: int, threads: int | None, backend: str | None
 ) -> RunnerFactory:
-    from agent.runtime.loader import load_runner
+    from mcp_edge.agent.runtime.loader import load_runner
 
     per_instance = threads
     if per_instance is None and workers > 1:
@@ -370,7 +370,7 @@ def serve_command(
     try:
         keys: tuple[PublicKey, ...] = ()
         if trust_keys:  # PyNaCl is loaded only when keys are given: ~1 MiB of RSS otherwise
-            from shared.signing import read_public_key
+            from mcp_edge.shared.signing import read_public_key
 
             keys = tuple(read_public_key(p) for p in trust_keys)
         candidates = tuple(parse_canary(c) for c in canaries)

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
-from agent.runtime.runner import Array, InputError, TensorSpec
-from shared.protocol.wire import MAX_TENSOR_ELEMENTS, Datatype
+from mcp_edge.agent.runtime.runner import Array, InputError, TensorSpec
+from mcp_edge.shared.protocol.wire import MAX_TENSOR_ELEMENTS, Datatype
 
 if TYPE_CHECKING:
-    from shared.protocol.inference import InferTensor
+    from mcp_edge.shared.protocol.inference import InferTensor
 
 _REQUEST_KEYS = frozenset({"id", "parameters", "inputs"})
 _TENSOR_KEYS = frozenset({"name", "shape", "datatype", "parameters", "data"})
@@ -79,8 +79,8 @@ def decode_feeds(
     if fast is not None:
         return fast[0], fast[1], None
     # The message models load pydantic (about 10 MiB): only a body off the fast path pays.
-    from shared.protocol.codec import validate
-    from shared.protocol.inference import InferRequest
+    from mcp_edge.shared.protocol.codec import validate
+    from mcp_edge.shared.protocol.inference import InferRequest
 
     req = validate(obj, InferRequest)
     feeds = tensors_to_feeds(req.inputs, specs)
@@ -133,7 +133,7 @@ def _fast_feeds(
         if count > MAX_TENSOR_ELEMENTS:
             return None
         if dtype is None:  # integers, BOOL, BYTES: the protocol model's own conversion
-            from shared.protocol.inference import InferTensor
+            from mcp_edge.shared.protocol.inference import InferTensor
 
             tensor = InferTensor.model_construct(
                 name=name, shape=shape, datatype=spec.datatype, parameters=tparams, data=data

@@ -111,7 +111,7 @@ def role_echo(args: argparse.Namespace) -> None:
     from paho.mqtt.packettypes import PacketTypes
     from paho.mqtt.properties import Properties
 
-    from shared.protocol import topics
+    from mcp_edge.shared.protocol import topics
 
     answer = Path(args.answer_file).read_bytes()
     client = _paho(f"bench-echo-{args.device}")
@@ -144,10 +144,10 @@ def role_echo(args: argparse.Namespace) -> None:
 async def _agent_main(args: argparse.Namespace) -> None:
     import tempfile
 
-    from agent.fleet.session import FleetConfig, FleetSession
-    from agent.fleet.spool import Spool
-    from agent.runtime.manager import ModelManager, ModelSource
-    from agent.serve import choose_profile, runner_factory
+    from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
+    from mcp_edge.agent.fleet.spool import Spool
+    from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
+    from mcp_edge.agent.serve import choose_profile, runner_factory
 
     profile, _ = choose_profile(None)
     manager = ModelManager(runner_factory(profile, workers=1, threads=None, backend=None))
@@ -178,7 +178,7 @@ async def _agent_main(args: argparse.Namespace) -> None:
 
 
 def role_agent(args: argparse.Namespace) -> None:
-    from agent.serve import _install_event_loop
+    from mcp_edge.agent.serve import _install_event_loop
 
     _install_event_loop()
     asyncio.run(_agent_main(args))
@@ -186,7 +186,7 @@ def role_agent(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- rtt client
 async def _rtt_main(args: argparse.Namespace) -> dict[str, Any]:
-    from agent.fleet.client import InferenceClient
+    from mcp_edge.agent.fleet.client import InferenceClient
 
     body = Path(args.body_file).read_bytes()
     lat: list[int] = []
@@ -231,7 +231,7 @@ async def _rtt_main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def role_rtt(args: argparse.Namespace) -> None:
-    from agent.serve import _install_event_loop
+    from mcp_edge.agent.serve import _install_event_loop
 
     _install_event_loop()
     _emit(asyncio.run(_rtt_main(args)))
@@ -267,8 +267,8 @@ def device_ids(n: int) -> list[str]:
 def role_publish(args: argparse.Namespace) -> None:
     import paho.mqtt.client as mqtt
 
-    from shared.protocol import topics
-    from shared.protocol.topics import TelemetryKind
+    from mcp_edge.shared.protocol import topics
+    from mcp_edge.shared.protocol.topics import TelemetryKind
 
     devices = device_ids(args.devices)
     dev_topics = [topics.telemetry(d, TelemetryKind.HEALTH) for d in devices]
@@ -325,9 +325,9 @@ def role_publish(args: argparse.Namespace) -> None:
 
 
 def _ingest_filter() -> str:
-    from controlplane.ingest import SHARE_GROUP
-    from shared.protocol import topics
-    from shared.protocol.topics import Channel
+    from mcp_edge.controlplane.ingest import SHARE_GROUP
+    from mcp_edge.shared.protocol import topics
+    from mcp_edge.shared.protocol.topics import Channel
 
     return topics.shared_subscription(SHARE_GROUP, topics.all_devices(Channel.TELEMETRY))
 
@@ -374,8 +374,8 @@ def role_subscribe(args: argparse.Namespace) -> None:
 async def _prepare_db(url: str, devices: list[str]) -> Any:
     from datetime import datetime, timezone
 
-    from controlplane.db import Database, upgrade_head
-    from controlplane.db.devices import insert_device
+    from mcp_edge.controlplane.db import Database, upgrade_head
+    from mcp_edge.controlplane.db.devices import insert_device
 
     db = Database(url)
     await upgrade_head(db)
@@ -398,10 +398,10 @@ async def _ingest_main(args: argparse.Namespace) -> dict[str, Any]:
 
     from sqlalchemy import text
 
-    from controlplane.broker.base import Credentials
-    from controlplane.ingest import IngestConnection, IngestService
-    from controlplane.metrics import ControlPlaneMetrics
-    from controlplane.mqtt import BrokerAddress
+    from mcp_edge.controlplane.broker.base import Credentials
+    from mcp_edge.controlplane.ingest import IngestConnection, IngestService
+    from mcp_edge.controlplane.metrics import ControlPlaneMetrics
+    from mcp_edge.controlplane.mqtt import BrokerAddress
 
     db = await _prepare_db(args.db_url, device_ids(args.devices))
     metrics = ControlPlaneMetrics()
@@ -470,7 +470,7 @@ async def _ingest_main(args: argparse.Namespace) -> dict[str, Any]:
 def role_ingest(args: argparse.Namespace) -> None:
     import logging
 
-    from controlplane.cli import install_event_loop
+    from mcp_edge.controlplane.cli import install_event_loop
 
     logging.basicConfig(level=logging.WARNING)
     loop = install_event_loop()  # as `mcp-controlplane serve` runs

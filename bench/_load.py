@@ -48,7 +48,7 @@ def free_port() -> int:
     polling a server that is not up yet cannot connect to itself there)."""
     # Imported here: the load client and null server run this file in environments without the
     # repository on sys.path.
-    from shared.netutil import free_port_below_ephemeral
+    from mcp_edge.shared.netutil import free_port_below_ephemeral
 
     return free_port_below_ephemeral(HOST)
 

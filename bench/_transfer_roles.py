@@ -92,10 +92,10 @@ def role_raw_server(args: argparse.Namespace) -> None:
 
 
 async def _cp_server(args: argparse.Namespace) -> None:
-    from controlplane.broker.base import Credentials
-    from controlplane.metrics import ControlPlaneMetrics
-    from controlplane.mqtt import BrokerAddress
-    from controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
+    from mcp_edge.controlplane.broker.base import Credentials
+    from mcp_edge.controlplane.metrics import ControlPlaneMetrics
+    from mcp_edge.controlplane.mqtt import BrokerAddress
+    from mcp_edge.controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
 
     service = RepoMqttService(Path(args.repo), ControlPlaneMetrics())
     await service.start(RepoConnection(

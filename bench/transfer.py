@@ -48,10 +48,10 @@ for _p in (str(BENCH_DIR), str(REPO_ROOT)):
 import orjson  # noqa: E402
 from _transfer_roles import CONNECT_TIMEOUT_S, HOST, paho_client  # noqa: E402
 
-from agent.fleet.mqtt import MqttClient, MqttSettings, Subscription  # noqa: E402
-from agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig  # noqa: E402
-from controlplane.repository.tuf_repo import KeyStore, TufRepository  # noqa: E402
-from shared.protocol import topics  # noqa: E402
+from mcp_edge.agent.fleet.mqtt import MqttClient, MqttSettings, Subscription  # noqa: E402
+from mcp_edge.agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig  # noqa: E402
+from mcp_edge.controlplane.repository.tuf_repo import KeyStore, TufRepository  # noqa: E402
+from mcp_edge.shared.protocol import topics  # noqa: E402
 from tests.support.mosquitto import MosquittoBroker  # noqa: E402
 
 TARGET = "bench/1.0.0/bench-1.0.0.mcpb"

@@ -42,9 +42,9 @@ from aiohttp import web
 from aiohttp.web_urldispatcher import AbstractRoute
 from pydantic import Field
 
-from controlplane import __version__
-from controlplane.api import all_endpoints
-from controlplane.api.common import (
+from mcp_edge.controlplane import __version__
+from mcp_edge.controlplane.api import all_endpoints
+from mcp_edge.controlplane.api.common import (
     SERVICES,
     ApiError,
     Endpoint,
@@ -56,30 +56,36 @@ from controlplane.api.common import (
     read_query,
     services,
 )
-from controlplane.api.deployments import attach_deployments
-from controlplane.api.schemas import Health, Request, Response
-from controlplane.auth import PasswordHasher, Role, auth_middleware
-from controlplane.broker.base import BrokerAdminError, BrokerProvisioner, Credentials
-from controlplane.db import Database, DatabaseError, current_revision, head_revision, upgrade_head
-from controlplane.db import devices as device_q
-from controlplane.db import telemetry as telemetry_q
-from controlplane.deployments import DeploymentService
-from controlplane.httplog import server_logging
-from controlplane.ingest import IngestConnection, IngestService
-from controlplane.metrics import CONTENT_TYPE, ControlPlaneMetrics
-from controlplane.mqtt import MqttSubscriber
-from controlplane.openapi import build_openapi
-from controlplane.repository.http import ENDPOINTS as REPO_ENDPOINTS
-from controlplane.repository.http import attach_repository
-from controlplane.repository.mqtt_service import (
+from mcp_edge.controlplane.api.deployments import attach_deployments
+from mcp_edge.controlplane.api.schemas import Health, Request, Response
+from mcp_edge.controlplane.auth import PasswordHasher, Role, auth_middleware
+from mcp_edge.controlplane.broker.base import BrokerAdminError, BrokerProvisioner, Credentials
+from mcp_edge.controlplane.db import (
+    Database,
+    DatabaseError,
+    current_revision,
+    head_revision,
+    upgrade_head,
+)
+from mcp_edge.controlplane.db import devices as device_q
+from mcp_edge.controlplane.db import telemetry as telemetry_q
+from mcp_edge.controlplane.deployments import DeploymentService
+from mcp_edge.controlplane.httplog import server_logging
+from mcp_edge.controlplane.ingest import IngestConnection, IngestService
+from mcp_edge.controlplane.metrics import CONTENT_TYPE, ControlPlaneMetrics
+from mcp_edge.controlplane.mqtt import MqttSubscriber
+from mcp_edge.controlplane.openapi import build_openapi
+from mcp_edge.controlplane.repository.http import ENDPOINTS as REPO_ENDPOINTS
+from mcp_edge.controlplane.repository.http import attach_repository
+from mcp_edge.controlplane.repository.mqtt_service import (
     RepoConnection,
     RepoMqttService,
     repo_account_name,
 )
-from controlplane.repository.service import RepositoryService
-from controlplane.repository.tuf_repo import KeyStore
-from controlplane.settings import Settings
-from shared.protocol.command import ErrorCode
+from mcp_edge.controlplane.repository.service import RepositoryService
+from mcp_edge.controlplane.repository.tuf_repo import KeyStore
+from mcp_edge.controlplane.settings import Settings
+from mcp_edge.shared.protocol.command import ErrorCode
 
 log = logging.getLogger("mcp.controlplane")
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from controlplane.db import Tx
-from controlplane.db import audit as audit_queries
+from mcp_edge.controlplane.db import Tx
+from mcp_edge.controlplane.db import audit as audit_queries
 
 SYSTEM_ACTOR = "system"
 

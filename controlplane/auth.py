@@ -28,10 +28,10 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from aiohttp.web_urldispatcher import AbstractRoute
 
-from controlplane.db import Database
-from controlplane.db import users as user_queries
-from controlplane.settings import PasswordCost
-from shared.errors import McpError
+from mcp_edge.controlplane.db import Database
+from mcp_edge.controlplane.db import users as user_queries
+from mcp_edge.controlplane.settings import PasswordCost
+from mcp_edge.shared.errors import McpError
 
 API_TOKEN_PREFIX = "mcpa_"
 ENROLLMENT_TOKEN_PREFIX = "mcpe_"

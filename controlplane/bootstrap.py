@@ -12,14 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from controlplane import audit
-from controlplane.api.users import issue_api_token
-from controlplane.audit import SYSTEM_ACTOR, AuditAction
-from controlplane.auth import PasswordHasher, Role
-from controlplane.db import ConflictError, Database, upgrade_head
-from controlplane.db import users as user_q
-from controlplane.settings import Settings, write_config_file
-from shared.errors import McpError
+from mcp_edge.controlplane import audit
+from mcp_edge.controlplane.api.users import issue_api_token
+from mcp_edge.controlplane.audit import SYSTEM_ACTOR, AuditAction
+from mcp_edge.controlplane.auth import PasswordHasher, Role
+from mcp_edge.controlplane.db import ConflictError, Database, upgrade_head
+from mcp_edge.controlplane.db import users as user_q
+from mcp_edge.controlplane.settings import Settings, write_config_file
+from mcp_edge.shared.errors import McpError
 
 DEFAULT_ADMIN = "admin"
 

@@ -30,19 +30,19 @@ from typing import Any
 
 import click
 
-from controlplane import __version__
-from controlplane.cli_apps import COMMANDS as APP_COMMANDS
-from controlplane.cli_deploy import COMMANDS as DEPLOY_COMMANDS
-from controlplane.cli_fleet import COMMANDS
-from controlplane.cli_repo import COMMANDS as REPO_COMMANDS
-from controlplane.settings import (
+from mcp_edge.controlplane import __version__
+from mcp_edge.controlplane.cli_apps import COMMANDS as APP_COMMANDS
+from mcp_edge.controlplane.cli_deploy import COMMANDS as DEPLOY_COMMANDS
+from mcp_edge.controlplane.cli_fleet import COMMANDS
+from mcp_edge.controlplane.cli_repo import COMMANDS as REPO_COMMANDS
+from mcp_edge.controlplane.settings import (
     EnrollmentApproval,
     Settings,
     SettingsError,
     environment,
     load_settings,
 )
-from shared.errors import McpError
+from mcp_edge.shared.errors import McpError
 
 
 def default_data_dir() -> Path:
@@ -122,8 +122,8 @@ def init(
 
     The API token is printed once, on stdout; everything else goes to stderr.
     """
-    from controlplane.app import system_clock
-    from controlplane.bootstrap import initialize
+    from mcp_edge.controlplane.app import system_clock
+    from mcp_edge.controlplane.bootstrap import initialize
 
     settings = _settings(
         data_dir, database_url=database_url, listen=listen,
@@ -170,7 +170,7 @@ def init(
 
 def _init_repository(settings: Settings) -> None:
     """Create the TUF repository and its keys in the data dir when they are missing."""
-    from controlplane.repository.service import repository_for, repository_lock
+    from mcp_edge.controlplane.repository.service import repository_for, repository_lock
 
     repo = repository_for(settings)
     try:
@@ -211,7 +211,7 @@ def serve(data_dir: Path | None, database_url: str | None, listen: str | None) -
 
 
 async def _serve(settings: Settings, ready: Any) -> None:
-    from controlplane.replica import ServeLock, replica_name
+    from mcp_edge.controlplane.replica import ServeLock, replica_name
 
     # Before anything else: a second serve on this data dir must not reset the broker
     # passwords the running one logs in with.
@@ -221,11 +221,11 @@ async def _serve(settings: Settings, ready: Any) -> None:
 
 
 async def _serve_locked(settings: Settings, ready: Any, name: str) -> None:
-    from controlplane.app import UnconfiguredProvisioner
-    from controlplane.app import serve as run_server
-    from controlplane.broker.dynsec import DynsecProvisioner
-    from controlplane.ingest import IngestConnection
-    from controlplane.mqtt import BrokerAddress
+    from mcp_edge.controlplane.app import UnconfiguredProvisioner
+    from mcp_edge.controlplane.app import serve as run_server
+    from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
+    from mcp_edge.controlplane.ingest import IngestConnection
+    from mcp_edge.controlplane.mqtt import BrokerAddress
 
     log = logging.getLogger("mcp.controlplane")
     if not settings.broker_configured:

@@ -17,7 +17,13 @@ from urllib.parse import quote
 
 import click
 
-from controlplane.cli_client import ApiClient, api_options, fmt_time, print_json, print_table
+from mcp_edge.controlplane.cli_client import (
+    ApiClient,
+    api_options,
+    fmt_time,
+    print_json,
+    print_table,
+)
 
 _DEFAULT_PORTS = {"mqtt": 1883, "mqtts": 8883}
 

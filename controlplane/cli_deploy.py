@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import click
 
-from controlplane.cli_client import (
+from mcp_edge.controlplane.cli_client import (
     ApiClient,
     api_options,
     fmt_labels,

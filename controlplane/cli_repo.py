@@ -24,12 +24,18 @@ from urllib.parse import quote
 
 import click
 
-from controlplane.cli_client import ApiClient, api_options, fmt_time, print_json, print_table
-from controlplane.repository.service import repository_for, repository_lock
-from controlplane.repository.tuf_repo import DIRECTOR, ROLES, TufRepository
-from controlplane.settings import SettingsError, environment, load_settings
-from shared.errors import McpError
-from shared.signing import read_public_key
+from mcp_edge.controlplane.cli_client import (
+    ApiClient,
+    api_options,
+    fmt_time,
+    print_json,
+    print_table,
+)
+from mcp_edge.controlplane.repository.service import repository_for, repository_lock
+from mcp_edge.controlplane.repository.tuf_repo import DIRECTOR, ROLES, TufRepository
+from mcp_edge.controlplane.settings import SettingsError, environment, load_settings
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.signing import read_public_key
 
 T = TypeVar("T")
 
@@ -46,7 +52,7 @@ def _data_dir_option(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _with_repository(data_dir: Path | None, func: Callable[[TufRepository], T]) -> T:
     """Run ``func`` on the data dir's repository under its writer lock; errors → ClickException."""
-    from controlplane.cli import default_data_dir
+    from mcp_edge.controlplane.cli import default_data_dir
 
     try:
         settings = load_settings(data_dir or default_data_dir(), environ=environment())
@@ -136,7 +142,7 @@ def keys_import_root(data_dir: Path | None, path: Path) -> None:
     """
 
     def import_root(repo: TufRepository) -> str:
-        from shared.signing import read_private_key
+        from mcp_edge.shared.signing import read_private_key
 
         key = read_private_key(path)
         trusted = repo.root().signed.roles["root"].keyids

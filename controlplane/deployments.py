@@ -34,19 +34,24 @@ from typing import Protocol
 import orjson
 from pydantic import ValidationError
 
-from controlplane.db import Database, Tx
-from controlplane.db import audit as audit_q
-from controlplane.db import deployments as q
-from controlplane.db import devices as device_q
-from controlplane.db.deployments import DeploymentView, DesiredView, DeviceModelView, VersionView
-from controlplane.db.devices import DeviceFilter, DeviceView
-from controlplane.desired import build_desired_state, downgrades, misfits
-from controlplane.repository.tuf_repo import DIRECTOR, KeyStore
-from controlplane.settings import Settings
-from shared.errors import McpError
-from shared.protocol import topics
-from shared.protocol.state import DesiredState, sign_desired_state
-from shared.signing import PrivateKey
+from mcp_edge.controlplane.db import Database, Tx
+from mcp_edge.controlplane.db import audit as audit_q
+from mcp_edge.controlplane.db import deployments as q
+from mcp_edge.controlplane.db import devices as device_q
+from mcp_edge.controlplane.db.deployments import (
+    DeploymentView,
+    DesiredView,
+    DeviceModelView,
+    VersionView,
+)
+from mcp_edge.controlplane.db.devices import DeviceFilter, DeviceView
+from mcp_edge.controlplane.desired import build_desired_state, downgrades, misfits
+from mcp_edge.controlplane.repository.tuf_repo import DIRECTOR, KeyStore
+from mcp_edge.controlplane.settings import Settings
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.state import DesiredState, sign_desired_state
+from mcp_edge.shared.signing import PrivateKey
 
 log = logging.getLogger("mcp.controlplane.deployments")
 

@@ -10,11 +10,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
-from controlplane.db.deployments import DeviceModelView, VersionView
-from controlplane.db.devices import DeviceView
-from shared.errors import VersionError
-from shared.protocol.state import CanarySpec, DesiredModel, DesiredState, TargetRef
-from shared.version import parse_version
+from mcp_edge.controlplane.db.deployments import DeviceModelView, VersionView
+from mcp_edge.controlplane.db.devices import DeviceView
+from mcp_edge.shared.errors import VersionError
+from mcp_edge.shared.protocol.state import CanarySpec, DesiredModel, DesiredState, TargetRef
+from mcp_edge.shared.version import parse_version
 
 log = logging.getLogger("mcp.controlplane.deployments")
 

@@ -31,10 +31,10 @@ from typing import Any
 
 import orjson
 
-from controlplane.db import Database, DatabaseError
-from controlplane.db import deployments as q
-from shared.errors import TopicError
-from shared.protocol import topics
+from mcp_edge.controlplane.db import Database, DatabaseError
+from mcp_edge.controlplane.db import deployments as q
+from mcp_edge.shared.errors import TopicError
+from mcp_edge.shared.protocol import topics
 
 log = logging.getLogger("mcp.controlplane.desired")
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 
-from shared.signing import key_id
+from mcp_edge.shared.signing import key_id
 
 
 class DeviceStatus(str, enum.Enum):

@@ -49,17 +49,17 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from controlplane.broker.base import Credentials
-from controlplane.db import Database, DatabaseError, UnavailableError
-from controlplane.db import telemetry as q
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.mqtt import BrokerAddress, MqttSubscriber
-from shared.errors import MessageError, TopicError
-from shared.protocol import topics
-from shared.protocol.codec import decode_for_parsed, schema_for_topic
-from shared.protocol.state import DeploymentEvent, ReportedState
-from shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
-from shared.protocol.topics import Channel
+from mcp_edge.controlplane.broker.base import Credentials
+from mcp_edge.controlplane.db import Database, DatabaseError, UnavailableError
+from mcp_edge.controlplane.db import telemetry as q
+from mcp_edge.controlplane.metrics import ControlPlaneMetrics
+from mcp_edge.controlplane.mqtt import BrokerAddress, MqttSubscriber
+from mcp_edge.shared.errors import MessageError, TopicError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.codec import decode_for_parsed, schema_for_topic
+from mcp_edge.shared.protocol.state import DeploymentEvent, ReportedState
+from mcp_edge.shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
+from mcp_edge.shared.protocol.topics import Channel
 
 log = logging.getLogger("mcp.controlplane.ingest")
 

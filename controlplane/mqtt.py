@@ -42,10 +42,10 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from controlplane.broker.base import Credentials
-from shared.errors import McpError
-from shared.netutil import close_with_reset, is_self_connected
-from shared.recvbuffer import ChunkedReads
+from mcp_edge.controlplane.broker.base import Credentials
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.netutil import close_with_reset, is_self_connected
+from mcp_edge.shared.recvbuffer import ChunkedReads
 
 log = logging.getLogger("mcp.controlplane.mqtt")
 

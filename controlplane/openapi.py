@@ -26,9 +26,9 @@ from typing import Any, Literal, cast
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.json_schema import models_json_schema
 
-from controlplane.api.common import Endpoint
-from controlplane.api.schemas import PATH_PARAMETERS, ErrorBody
-from controlplane.auth import Role
+from mcp_edge.controlplane.api.common import Endpoint
+from mcp_edge.controlplane.api.schemas import PATH_PARAMETERS, ErrorBody
+from mcp_edge.controlplane.auth import Role
 
 REF = "#/components/schemas/{model}"
 _PATH_PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")

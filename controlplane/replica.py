@@ -27,8 +27,8 @@ import socket
 from pathlib import Path
 from types import TracebackType
 
-from shared.errors import McpError
-from shared.fsutil import atomic_write_bytes
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.fsutil import atomic_write_bytes
 
 LOCK_FILE = "serve.lock"
 REPLICA_ID_FILE = "replica-id"

@@ -37,9 +37,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from controlplane.replica import valid_replica_name
-from shared.errors import McpError
-from shared.fsutil import atomic_write_bytes
+from mcp_edge.controlplane.replica import valid_replica_name
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.fsutil import atomic_write_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -35,7 +35,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.netutil import free_port_below_ephemeral  # noqa: E402
+from mcp_edge.shared.netutil import free_port_below_ephemeral  # noqa: E402
 from tests.support.models import train_digits_mlp, write_digits_onnx  # noqa: E402
 from tests.support.mosquitto import (  # noqa: E402
     MosquittoError,

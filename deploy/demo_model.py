@@ -16,8 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.bundle import build_bundle, sign_bundle
-from shared.signing import PrivateKey, read_private_key, write_private_key, write_public_key
+from mcp_edge.shared.bundle import build_bundle, sign_bundle
+from mcp_edge.shared.signing import (
+    PrivateKey,
+    read_private_key,
+    write_private_key,
+    write_public_key,
+)
 from tests.support.models import train_digits_mlp, write_digits_onnx
 
 LABELS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

@@ -17,8 +17,8 @@ from typing import Any
 
 import click
 
-from shared import __version__
-from shared.bundle import (
+from mcp_edge.shared import __version__
+from mcp_edge.shared.bundle import (
     BundleManifest,
     VariantSource,
     build_bundle,
@@ -26,9 +26,9 @@ from shared.bundle import (
     sign_bundle,
     verify_bundle,
 )
-from shared.bundle.upload import upload_bundle
-from shared.errors import McpError
-from shared.signing import (
+from mcp_edge.shared.bundle.upload import upload_bundle
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.signing import (
     PrivateKey,
     read_private_key,
     read_public_key,

@@ -1,6 +1,6 @@
 """Hardware profile documents (``firmware_profiles/*.toml``): schema and loader.
 
-The files ship inside the wheel as package data of ``firmware_profiles`` and are read through
+The files ship inside the wheel as package data of ``mcp_edge.firmware_profiles`` and are read through
 ``importlib.resources``, so they load the same from a checkout, an installed wheel or a zip.
 Detection (which profile fits this box) belongs to the agent; this module only validates and
 loads the documents.
@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from shared.errors import McpError, TopicError
-from shared.protocol.topics import validate_id
+from mcp_edge.shared.errors import McpError, TopicError
+from mcp_edge.shared.protocol.topics import validate_id
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-PROFILE_PACKAGE = "firmware_profiles"
+PROFILE_PACKAGE = "mcp_edge.firmware_profiles"
 
 
 class ProfileError(McpError):

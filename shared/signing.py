@@ -39,14 +39,14 @@ import nacl.bindings
 import nacl.exceptions
 import nacl.signing
 
-from shared.errors import (
+from mcp_edge.shared.errors import (
     BadSignatureError,
     KeyFileError,
     MalformedSignatureError,
     UnknownSignerError,
     WrongKeyError,
 )
-from shared.fsutil import atomic_write_bytes
+from mcp_edge.shared.fsutil import atomic_write_bytes
 
 KEYTYPE = "ed25519"
 MAX_KEY_FILE_BYTES = 4096

@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 from functools import total_ordering
 
-from shared.errors import VersionError
+from mcp_edge.shared.errors import VersionError
 
 SEMVER_PATTERN = (
     r"^v?(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"

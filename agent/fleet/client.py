@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from agent.fleet.mqtt import (
+from mcp_edge.agent.fleet.mqtt import (
     RC_NO_MATCHING_SUBSCRIBERS,
     InboundMessage,
     MqttClient,
@@ -49,8 +49,8 @@ from agent.fleet.mqtt import (
     MqttSettings,
     Subscription,
 )
-from shared.errors import McpError, MessageError
-from shared.protocol import (
+from mcp_edge.shared.errors import McpError, MessageError
+from mcp_edge.shared.protocol import (
     ErrorCode,
     ErrorReply,
     InferRequest,

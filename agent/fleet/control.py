@@ -22,9 +22,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from agent.fleet.metrics import FleetMetrics
-from agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
-from shared.errors import (
+from mcp_edge.agent.fleet.metrics import FleetMetrics
+from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
+from mcp_edge.shared.errors import (
     ExpiredError,
     MalformedSignatureError,
     McpError,
@@ -33,7 +33,7 @@ from shared.errors import (
     SigningError,
     TopicError,
 )
-from shared.protocol import (
+from mcp_edge.shared.protocol import (
     CommandName,
     CommandReply,
     CommandRequest,

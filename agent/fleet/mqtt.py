@@ -32,8 +32,8 @@ from typing import Any
 
 import paho.mqtt.client as paho
 
-from agent.fleet.mqtt_connection import Connection
-from agent.fleet.mqtt_types import (
+from mcp_edge.agent.fleet.mqtt_connection import Connection
+from mcp_edge.agent.fleet.mqtt_types import (
     RC_NO_MATCHING_SUBSCRIBERS,
     Backoff,
     ConnectResult,

@@ -31,7 +31,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-from agent.fleet.mqtt_types import (
+from mcp_edge.agent.fleet.mqtt_types import (
     MqttConnectError,
     MqttConnectionLostError,
     MqttError,
@@ -41,8 +41,8 @@ from agent.fleet.mqtt_types import (
     Subscription,
     set_tcp_nodelay,
 )
-from shared.netutil import close_with_reset, is_self_connected
-from shared.recvbuffer import ChunkedReads
+from mcp_edge.shared.netutil import close_with_reset, is_self_connected
+from mcp_edge.shared.recvbuffer import ChunkedReads
 
 log = logging.getLogger("mcp.agent.mqtt")
 _MISC_INTERVAL_S = 1.0

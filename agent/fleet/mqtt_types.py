@@ -23,7 +23,7 @@ from typing import Any
 
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from shared.errors import McpError
+from mcp_edge.shared.errors import McpError
 
 RC_NO_MATCHING_SUBSCRIBERS = 0x10
 """PUBACK reason: the broker accepted the message but nobody subscribes to its topic."""

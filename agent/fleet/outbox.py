@@ -19,9 +19,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from agent.fleet.metrics import FleetMetrics
-from agent.fleet.mqtt import MqttClient, MqttError, MqttRefusedError
-from agent.fleet.spool import Spool, SpoolError, SpoolItem, SpoolKind
+from mcp_edge.agent.fleet.metrics import FleetMetrics
+from mcp_edge.agent.fleet.mqtt import MqttClient, MqttError, MqttRefusedError
+from mcp_edge.agent.fleet.spool import Spool, SpoolError, SpoolItem, SpoolKind
 
 log = logging.getLogger("mcp.agent.fleet")
 T = TypeVar("T")

@@ -33,10 +33,10 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent import __version__
-from agent.fleet.control import CommandHandler, ControlChannel, DesiredHandler
-from agent.fleet.metrics import FleetMetrics
-from agent.fleet.mqtt import (
+from mcp_edge.agent import __version__
+from mcp_edge.agent.fleet.control import CommandHandler, ControlChannel, DesiredHandler
+from mcp_edge.agent.fleet.metrics import FleetMetrics
+from mcp_edge.agent.fleet.mqtt import (
     Backoff,
     InboundMessage,
     MqttClient,
@@ -47,21 +47,21 @@ from agent.fleet.mqtt import (
     Subscription,
     Will,
 )
-from agent.fleet.mqtt_inference import (
+from mcp_edge.agent.fleet.mqtt_inference import (
     DEFAULT_MAX_REPLY_BYTES,
     MqttInference,
     device_infer_filter,
     fleet_infer_filter,
 )
-from agent.fleet.outbox import Outbox
-from agent.fleet.spool import Spool, SpoolKind
-from agent.fleet.telemetry import HealthCollector, InferenceStatsCollector
-from agent.runtime.manager import ModelManager
-from agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
-from shared.errors import (
+from mcp_edge.agent.fleet.outbox import Outbox
+from mcp_edge.agent.fleet.spool import Spool, SpoolKind
+from mcp_edge.agent.fleet.telemetry import HealthCollector, InferenceStatsCollector
+from mcp_edge.agent.runtime.manager import ModelManager
+from mcp_edge.agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
+from mcp_edge.shared.errors import (
     TopicError,
 )
-from shared.protocol import (
+from mcp_edge.shared.protocol import (
     CommandName,
     CommandRequest,
     DeploymentEvent,

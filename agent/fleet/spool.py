@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import McpError
+from mcp_edge.shared.errors import McpError
 
 log = logging.getLogger("mcp.agent.spool")
 

@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.protocol import GpuSample
+from mcp_edge.shared.protocol import GpuSample
 
 log = logging.getLogger("mcp.agent.telemetry")
 

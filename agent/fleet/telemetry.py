@@ -26,14 +26,14 @@ from typing import Any
 import numpy as np
 import psutil
 
-from agent.fleet.tegrastats import (
+from mcp_edge.agent.fleet.tegrastats import (
     CpuCore,
     TegrastatsParseError,
     TegrastatsReader,
     TegrastatsReading,
     parse_tegrastats_line,
 )
-from shared.protocol import (
+from mcp_edge.shared.protocol import (
     HealthSample,
     InferenceStats,
     LatencySummary,

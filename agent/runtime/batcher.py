@@ -39,7 +39,13 @@ from typing import Any
 
 import numpy as np
 
-from agent.runtime.runner import Array, InferenceError, InputError, ModelRunner, RunnerError
+from mcp_edge.agent.runtime.runner import (
+    Array,
+    InferenceError,
+    InputError,
+    ModelRunner,
+    RunnerError,
+)
 
 log = logging.getLogger("mcp.agent.runtime")
 

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agent.runtime.runner import Array, ModelLoadError, ModelRunner, RunnerError, RunnerInfo
+from mcp_edge.agent.runtime.runner import (
+    Array,
+    ModelLoadError,
+    ModelRunner,
+    RunnerError,
+    RunnerInfo,
+)
 
 
 def outputs_agree(a: dict[str, Array], b: dict[str, Array]) -> bool:

@@ -15,10 +15,10 @@ from typing import Any
 
 import onnxruntime as ort
 
-from agent.runtime.onnx_runner import CPU_PROVIDER, OnnxRunner
-from agent.runtime.runner import BackendUnavailableError, ModelLoadError, ModelRunner
-from agent.runtime.tflite_runner import TFLiteRunner, tflite_implementation, tflite_version
-from shared.profiles import HardwareProfile
+from mcp_edge.agent.runtime.onnx_runner import CPU_PROVIDER, OnnxRunner
+from mcp_edge.agent.runtime.runner import BackendUnavailableError, ModelLoadError, ModelRunner
+from mcp_edge.agent.runtime.tflite_runner import TFLiteRunner, tflite_implementation, tflite_version
+from mcp_edge.shared.profiles import HardwareProfile
 
 _FORMATS = {".onnx": "onnx", ".tflite": "tflite"}
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent.metrics import AgentMetrics
-from agent.runtime.batcher import (
+from mcp_edge.agent.metrics import AgentMetrics
+from mcp_edge.agent.runtime.batcher import (
     BatcherClosedError,
     BatchingConfig,
     BatchObserver,
@@ -36,8 +36,8 @@ from agent.runtime.batcher import (
     DynamicBatcher,
     Priority,
 )
-from agent.runtime.checks import outputs_agree, warm_up
-from agent.runtime.runner import (
+from mcp_edge.agent.runtime.checks import outputs_agree, warm_up
+from mcp_edge.agent.runtime.runner import (
     Array,
     InferenceError,
     InputError,

@@ -27,7 +27,7 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
-from agent.runtime.runner import (
+from mcp_edge.agent.runtime.runner import (
     Array,
     InferenceError,
     InputError,
@@ -35,7 +35,7 @@ from agent.runtime.runner import (
     RunnerInfo,
     TensorSpec,
 )
-from shared.protocol.wire import Datatype
+from mcp_edge.shared.protocol.wire import Datatype
 
 log = logging.getLogger("mcp.agent.runtime")
 

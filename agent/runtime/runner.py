@@ -20,8 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from shared.errors import McpError
-from shared.protocol.wire import Datatype
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.protocol.wire import Datatype
 
 Array = np.ndarray[Any, Any]
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from agent.runtime.onnx_runner import InputValidator
-from agent.runtime.runner import (
+from mcp_edge.agent.runtime.onnx_runner import InputValidator
+from mcp_edge.agent.runtime.runner import (
     Array,
     BackendUnavailableError,
     InferenceError,
@@ -34,8 +34,8 @@ from agent.runtime.runner import (
     RunnerInfo,
     TensorSpec,
 )
-from shared.errors import MessageError
-from shared.protocol.wire import Datatype
+from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.protocol.wire import Datatype
 
 log = logging.getLogger("mcp.agent.runtime")
 

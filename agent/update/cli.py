@@ -19,9 +19,9 @@ def updates_command(state_dir: Path | None, as_json: bool) -> None:
     Example:
       mcp-agent updates --state-dir /var/lib/mcp-agent
     """
-    from agent.serve import default_state_dir
-    from agent.update.store import ModelStore
-    from agent.update.updater import updates_status
+    from mcp_edge.agent.serve import default_state_dir
+    from mcp_edge.agent.update.store import ModelStore
+    from mcp_edge.agent.update.updater import updates_status
 
     status = updates_status(ModelStore(state_dir or default_state_dir()))
     if as_json:

@@ -26,8 +26,8 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shared.errors import McpError
-from shared.protocol.state import DeploymentPhase
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.protocol.state import DeploymentPhase
 
 Phase = DeploymentPhase
 

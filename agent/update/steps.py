@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from tuf.api import exceptions as tuf_errors
 from tuf.api.metadata import TargetFile  # type: ignore[attr-defined]  # re-exported
 
-from agent.repository import bundle_source, pick_variant
-from agent.runtime.checks import check_outputs, synthetic_inputs
-from agent.runtime.manager import ModelManager, ModelNotFoundError, ModelSource
-from agent.runtime.runner import RunnerError
-from agent.update.machine import (
+from mcp_edge.agent.repository import bundle_source, pick_variant
+from mcp_edge.agent.runtime.checks import check_outputs, synthetic_inputs
+from mcp_edge.agent.runtime.manager import ModelManager, ModelNotFoundError, ModelSource
+from mcp_edge.agent.runtime.runner import RunnerError
+from mcp_edge.agent.update.machine import (
     Cause,
     Phase,
     Trigger,
@@ -43,15 +43,15 @@ from agent.update.machine import (
     UpdateRecord,
     advance,
 )
-from agent.update.store import CanaryRef, InstallInfo, ModelStore, is_disk_full
-from agent.update.transport import RepoTransport
-from agent.update.tuf_client import TufClient
-from shared.bundle import BundleManifest, open_bundle
-from shared.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME
-from shared.errors import BundleError, SigningError, VersionError
-from shared.profiles import HardwareProfile
-from shared.protocol.state import EventOutcome
-from shared.version import SemVer
+from mcp_edge.agent.update.store import CanaryRef, InstallInfo, ModelStore, is_disk_full
+from mcp_edge.agent.update.transport import RepoTransport
+from mcp_edge.agent.update.tuf_client import TufClient
+from mcp_edge.shared.bundle import BundleManifest, open_bundle
+from mcp_edge.shared.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME
+from mcp_edge.shared.errors import BundleError, SigningError, VersionError
+from mcp_edge.shared.profiles import HardwareProfile
+from mcp_edge.shared.protocol.state import EventOutcome
+from mcp_edge.shared.version import SemVer
 
 log = logging.getLogger("mcp.agent.update")
 

@@ -32,8 +32,8 @@ from typing import Any, ClassVar, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from agent.update.machine import Cause, UpdateError, UpdateRecord
-from shared.fsutil import atomic_write_bytes, fsync_dir
+from mcp_edge.agent.update.machine import Cause, UpdateError, UpdateRecord
+from mcp_edge.shared.fsutil import atomic_write_bytes, fsync_dir
 
 log = logging.getLogger("mcp.agent.update")
 

@@ -18,9 +18,9 @@ from urllib.parse import unquote, urlsplit
 from tuf.api.exceptions import DownloadError, DownloadHTTPError, DownloadLengthMismatchError
 from tuf.ngclient.fetcher import FetcherInterface
 
-from agent.update.transport import Progress
-from shared.errors import MessageError
-from shared.protocol.repo import validate_repo_path
+from mcp_edge.agent.update.transport import Progress
+from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.protocol.repo import validate_repo_path
 
 CHUNK_BYTES = 128 * 1024
 

@@ -37,8 +37,8 @@ from tuf.api.exceptions import (
 from tuf.ngclient.fetcher import FetcherInterface
 from tuf.ngclient.urllib3_fetcher import Urllib3Fetcher
 
-from agent import __version__
-from agent.update.transport import Progress, open_partial
+from mcp_edge.agent import __version__
+from mcp_edge.agent.update.transport import Progress, open_partial
 
 log = logging.getLogger("mcp.agent.update.http")
 

@@ -54,11 +54,11 @@ from tuf.api.exceptions import (
 )
 from tuf.ngclient.fetcher import FetcherInterface
 
-from agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
-from agent.update.transport import Progress, open_partial
-from shared.errors import MessageError
-from shared.protocol import topics
-from shared.protocol.repo import (
+from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
+from mcp_edge.agent.update.transport import Progress, open_partial
+from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.repo import (
     MAX_CHUNK_BYTES,
     RepoReply,
     RepoStatus,

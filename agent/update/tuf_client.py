@@ -27,11 +27,11 @@ from tuf.api.metadata import Metadata, TargetFile, Targets  # type: ignore[attr-
 from tuf.ngclient.config import UpdaterConfig
 from tuf.ngclient.updater import Updater
 
-from agent.update.machine import Cause, UpdateError
-from agent.update.transport import RepoTransport
-from shared.errors import SigningError
-from shared.fsutil import atomic_write_bytes
-from shared.signing import PublicKey
+from mcp_edge.agent.update.machine import Cause, UpdateError
+from mcp_edge.agent.update.transport import RepoTransport
+from mcp_edge.shared.errors import SigningError
+from mcp_edge.shared.fsutil import atomic_write_bytes
+from mcp_edge.shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent.update")
 

@@ -30,25 +30,32 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
-from agent import __version__
-from agent.runtime.manager import ModelManager
-from agent.runtime.runner import RunnerError
-from agent.update.machine import Cause, Phase, UpdateError, UpdateRecord, advance, new_record
-from agent.update.machine import Trigger as _Trigger
-from agent.update.steps import (
+from mcp_edge.agent import __version__
+from mcp_edge.agent.runtime.manager import ModelManager
+from mcp_edge.agent.runtime.runner import RunnerError
+from mcp_edge.agent.update.machine import (
+    Cause,
+    Phase,
+    UpdateError,
+    UpdateRecord,
+    advance,
+    new_record,
+)
+from mcp_edge.agent.update.machine import Trigger as _Trigger
+from mcp_edge.agent.update.steps import (
     DeploymentRunner,
     PhaseHook,
     RetryPolicy,
     installed_source,
     loaded_roles,
 )
-from agent.update.store import DiskUsageFn, ModelStore
-from agent.update.transport import RepoTransport
-from agent.update.tuf_client import TufClient, load_bootstrap_root
-from shared.errors import ExpiredError, McpError, ReplayError, SigningError
-from shared.fsutil import atomic_write_bytes
-from shared.profiles import HardwareProfile
-from shared.protocol.state import (
+from mcp_edge.agent.update.store import DiskUsageFn, ModelStore
+from mcp_edge.agent.update.transport import RepoTransport
+from mcp_edge.agent.update.tuf_client import TufClient, load_bootstrap_root
+from mcp_edge.shared.errors import ExpiredError, McpError, ReplayError, SigningError
+from mcp_edge.shared.fsutil import atomic_write_bytes
+from mcp_edge.shared.profiles import HardwareProfile
+from mcp_edge.shared.protocol.state import (
     DeploymentEvent,
     DesiredModel,
     DesiredState,
@@ -58,8 +65,8 @@ from shared.protocol.state import (
     TargetRef,
     verify_desired_state,
 )
-from shared.protocol.topics import validate_id
-from shared.signing import PublicKey
+from mcp_edge.shared.protocol.topics import validate_id
+from mcp_edge.shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent.update")
 

@@ -6,7 +6,7 @@ OpenAPI document (:mod:`controlplane.openapi`) are built from, so the two cannot
 
 from __future__ import annotations
 
-from controlplane.api import (
+from mcp_edge.controlplane.api import (
     approvals,
     apps,
     audit,
@@ -17,7 +17,7 @@ from controlplane.api import (
     tokens,
     users,
 )
-from controlplane.api.common import Endpoint
+from mcp_edge.controlplane.api.common import Endpoint
 
 
 def all_endpoints() -> list[Endpoint]:

@@ -13,22 +13,22 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from controlplane import audit
-from controlplane.api.common import ApiError, Endpoint, json_response, read_body, services
-from controlplane.api.deployments import apply_standing_deployments
-from controlplane.api.devices import device_out
-from controlplane.api.schemas import (
+from mcp_edge.controlplane import audit
+from mcp_edge.controlplane.api.common import ApiError, Endpoint, json_response, read_body, services
+from mcp_edge.controlplane.api.deployments import apply_standing_deployments
+from mcp_edge.controlplane.api.devices import device_out
+from mcp_edge.controlplane.api.schemas import (
     ApprovalList,
     DeviceDetail,
     PreauthorizeRequest,
     ReasonBody,
 )
-from controlplane.audit import AuditAction
-from controlplane.auth import Role, principal_of
-from controlplane.db import devices as q
-from controlplane.db.devices import DeviceFilter
-from controlplane.enrollment import DeviceStatus, default_device_id
-from shared.protocol.command import ErrorCode
+from mcp_edge.controlplane.audit import AuditAction
+from mcp_edge.controlplane.auth import Role, principal_of
+from mcp_edge.controlplane.db import devices as q
+from mcp_edge.controlplane.db.devices import DeviceFilter
+from mcp_edge.controlplane.enrollment import DeviceStatus, default_device_id
+from mcp_edge.shared.protocol.command import ErrorCode
 
 MAX_PENDING_LISTED = 1000
 

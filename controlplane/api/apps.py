@@ -25,7 +25,7 @@ from typing import Annotated
 from aiohttp import web
 from pydantic import AfterValidator, Field, StringConstraints
 
-from controlplane.api.common import (
+from mcp_edge.controlplane.api.common import (
     ApiError,
     Endpoint,
     Services,
@@ -33,17 +33,17 @@ from controlplane.api.common import (
     read_body,
     services,
 )
-from controlplane.api.schemas import Request, Response
-from controlplane.auth import Role, principal_of
-from controlplane.broker.base import AccountConflictError, BrokerAdminError
-from controlplane.db import DatabaseError, Tx
-from controlplane.db import apps as q
-from controlplane.db import audit as audit_q
-from controlplane.db.models import AppClient
-from shared.protocol import topics
-from shared.protocol.base import IdentifierSchema
-from shared.protocol.command import ErrorCode
-from shared.protocol.topics import validate_id
+from mcp_edge.controlplane.api.schemas import Request, Response
+from mcp_edge.controlplane.auth import Role, principal_of
+from mcp_edge.controlplane.broker.base import AccountConflictError, BrokerAdminError
+from mcp_edge.controlplane.db import DatabaseError, Tx
+from mcp_edge.controlplane.db import apps as q
+from mcp_edge.controlplane.db import audit as audit_q
+from mcp_edge.controlplane.db.models import AppClient
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.base import IdentifierSchema
+from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.shared.protocol.topics import validate_id
 
 log = logging.getLogger("mcp.controlplane.apps")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from controlplane.api.common import Endpoint, json_response, read_query, services
-from controlplane.api.schemas import AuditEntryOut, AuditList, AuditQuery
-from controlplane.auth import Role
-from controlplane.db import audit as q
+from mcp_edge.controlplane.api.common import Endpoint, json_response, read_query, services
+from mcp_edge.controlplane.api.schemas import AuditEntryOut, AuditList, AuditQuery
+from mcp_edge.controlplane.auth import Role
+from mcp_edge.controlplane.db import audit as q
 
 
 async def list_audit(request: web.Request) -> web.Response:

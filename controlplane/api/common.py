@@ -30,15 +30,25 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ValidationError
 
-from controlplane.auth import AuthError, PasswordHasher, Role
-from controlplane.broker.base import AccountConflictError, BrokerAdminError, BrokerProvisioner
-from controlplane.db import ConflictError, Database, DatabaseError, NotFoundError, UnavailableError
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.settings import Settings
-from shared.errors import MessageError, ProtocolError, ReplayError
-from shared.protocol.codec import describe_validation_error, loads
-from shared.protocol.command import ErrorCode
-from shared.protocol.enrollment import TrustRoot
+from mcp_edge.controlplane.auth import AuthError, PasswordHasher, Role
+from mcp_edge.controlplane.broker.base import (
+    AccountConflictError,
+    BrokerAdminError,
+    BrokerProvisioner,
+)
+from mcp_edge.controlplane.db import (
+    ConflictError,
+    Database,
+    DatabaseError,
+    NotFoundError,
+    UnavailableError,
+)
+from mcp_edge.controlplane.metrics import ControlPlaneMetrics
+from mcp_edge.controlplane.settings import Settings
+from mcp_edge.shared.errors import MessageError, ProtocolError, ReplayError
+from mcp_edge.shared.protocol.codec import describe_validation_error, loads
+from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.shared.protocol.enrollment import TrustRoot
 
 log = logging.getLogger("mcp.controlplane.api")
 
@@ -180,12 +190,29 @@ def _json_schema_numbers(obj: Any) -> Any:
     return obj
 
 
+def _refuse_nul(value: Any, where: str) -> None:
+    """ApiError (400) naming the first string in ``value`` that holds a NUL character:
+    PostgreSQL's text columns cannot store one, and it is never meaningful here."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ApiError(ErrorCode.BAD_REQUEST, f"{where}: contains a NUL character")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_nul(key, f"{where}: a key")
+            _refuse_nul(item, str(key) if where in ("body", "query") else f"{where}.{key}")
+    elif isinstance(value, list):
+        for item in value:
+            _refuse_nul(item, where)
+
+
 def validated(obj: Any, cls: type[M], *, strict: bool = False) -> M:
-    """``obj`` validated as ``cls``; raises :class:`ApiError` (400) naming the first error.
+    """``obj`` validated as ``cls``; raises :class:`ApiError` (400) naming the first error (a
+    NUL character in any string is one).
 
     ``strict`` takes JSON types as JSON Schema (the OpenAPI document) reads them: ``0`` is no
     boolean and ``"5"`` no integer, ``5.0`` is one. Query strings need the lax form.
     """
+    _refuse_nul(obj, "body" if strict else "query")
     try:
         if strict:
             data = orjson.dumps(_json_schema_numbers(obj))

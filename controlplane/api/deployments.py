@@ -21,7 +21,7 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import ConfigDict, Field, model_validator
 
-from controlplane.api.common import (
+from mcp_edge.controlplane.api.common import (
     ApiError,
     Endpoint,
     json_response,
@@ -29,13 +29,13 @@ from controlplane.api.common import (
     read_query,
     services,
 )
-from controlplane.api.schemas import Request, Response, RowId
-from controlplane.auth import Role, principal_of
-from controlplane.broker.base import BrokerProvisioner
-from controlplane.db import DatabaseError
-from controlplane.db import deployments as q
-from controlplane.db import devices as device_q
-from controlplane.deployments import (
+from mcp_edge.controlplane.api.schemas import Request, Response, RowId
+from mcp_edge.controlplane.auth import Role, principal_of
+from mcp_edge.controlplane.broker.base import BrokerProvisioner
+from mcp_edge.controlplane.db import DatabaseError
+from mcp_edge.controlplane.db import deployments as q
+from mcp_edge.controlplane.db import devices as device_q
+from mcp_edge.controlplane.deployments import (
     DeploymentConflictError,
     DeploymentError,
     DeploymentService,
@@ -44,14 +44,14 @@ from controlplane.deployments import (
     UnknownDeviceError,
     UnknownVersionError,
 )
-from controlplane.desired_reconcile import DesiredReconciler
-from controlplane.ingest import IngestConnection
-from controlplane.mqtt import MqttSubscriber
-from shared.errors import McpError
-from shared.protocol import topics
-from shared.protocol.base import Identifier, Labels, VersionText
-from shared.protocol.command import ErrorCode
-from shared.protocol.topics import Channel
+from mcp_edge.controlplane.desired_reconcile import DesiredReconciler
+from mcp_edge.controlplane.ingest import IngestConnection
+from mcp_edge.controlplane.mqtt import MqttSubscriber
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.base import Identifier, Labels, VersionText
+from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.shared.protocol.topics import Channel
 
 log = logging.getLogger("mcp.controlplane.deployments")
 

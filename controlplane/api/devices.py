@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from controlplane import audit
-from controlplane.api.common import (
+from mcp_edge.controlplane import audit
+from mcp_edge.controlplane.api.common import (
     ApiError,
     Endpoint,
     json_response,
@@ -19,7 +19,7 @@ from controlplane.api.common import (
     read_query,
     services,
 )
-from controlplane.api.schemas import (
+from mcp_edge.controlplane.api.schemas import (
     CONNECTION_STATES,
     DeviceDetail,
     DeviceList,
@@ -28,13 +28,13 @@ from controlplane.api.schemas import (
     LabelsPatch,
     ReasonBody,
 )
-from controlplane.audit import AuditAction
-from controlplane.auth import Role, principal_of
-from controlplane.db import devices as q
-from controlplane.db.devices import DeviceFilter, DeviceView
-from controlplane.enrollment import DeviceStatus
-from shared.protocol.base import MAX_LABELS
-from shared.protocol.command import ErrorCode
+from mcp_edge.controlplane.audit import AuditAction
+from mcp_edge.controlplane.auth import Role, principal_of
+from mcp_edge.controlplane.db import devices as q
+from mcp_edge.controlplane.db.devices import DeviceFilter, DeviceView
+from mcp_edge.controlplane.enrollment import DeviceStatus
+from mcp_edge.shared.protocol.base import MAX_LABELS
+from mcp_edge.shared.protocol.command import ErrorCode
 
 
 def device_out(view: DeviceView) -> DeviceOut:

@@ -22,8 +22,8 @@ from datetime import datetime
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
-from controlplane import audit
-from controlplane.api.common import (
+from mcp_edge.controlplane import audit
+from mcp_edge.controlplane.api.common import (
     ApiError,
     Endpoint,
     Services,
@@ -31,17 +31,17 @@ from controlplane.api.common import (
     read_query,
     services,
 )
-from controlplane.api.deployments import apply_standing_deployments
-from controlplane.api.schemas import SignedEnrollment
-from controlplane.api.tokens import token_facts
-from controlplane.audit import AuditAction, device_actor
-from controlplane.auth import AuthError, secret_digest
-from controlplane.broker.base import AccountConflictError, Credentials
-from controlplane.db import Tx
-from controlplane.db import devices as device_q
-from controlplane.db import enrollment as token_q
-from controlplane.db.devices import DeviceView
-from controlplane.enrollment import (
+from mcp_edge.controlplane.api.deployments import apply_standing_deployments
+from mcp_edge.controlplane.api.schemas import SignedEnrollment
+from mcp_edge.controlplane.api.tokens import token_facts
+from mcp_edge.controlplane.audit import AuditAction, device_actor
+from mcp_edge.controlplane.auth import AuthError, secret_digest
+from mcp_edge.controlplane.broker.base import AccountConflictError, Credentials
+from mcp_edge.controlplane.db import Tx
+from mcp_edge.controlplane.db import devices as device_q
+from mcp_edge.controlplane.db import enrollment as token_q
+from mcp_edge.controlplane.db.devices import DeviceView
+from mcp_edge.controlplane.enrollment import (
     Action,
     DeviceStatus,
     Plan,
@@ -50,12 +50,12 @@ from controlplane.enrollment import (
     merge_labels,
     plan,
 )
-from controlplane.settings import EnrollmentApproval
-from shared.errors import MalformedSignatureError, ReplayError, SigningError
-from shared.protocol.base import MAX_LABELS
-from shared.protocol.codec import encode
-from shared.protocol.command import ErrorCode
-from shared.protocol.enrollment import (
+from mcp_edge.controlplane.settings import EnrollmentApproval
+from mcp_edge.shared.errors import MalformedSignatureError, ReplayError, SigningError
+from mcp_edge.shared.protocol.base import MAX_LABELS
+from mcp_edge.shared.protocol.codec import encode
+from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.shared.protocol.enrollment import (
     BrokerCredentials,
     EnrollmentAnswer,
     EnrollmentRequest,
@@ -63,7 +63,7 @@ from shared.protocol.enrollment import (
     nonce_retention,
     verify_enrollment,
 )
-from shared.protocol.topics import PREFIX
+from mcp_edge.shared.protocol.topics import PREFIX
 
 log = logging.getLogger("mcp.controlplane.enroll")
 

@@ -30,22 +30,22 @@ from typing import IO
 from aiohttp import StreamReader, web
 from pydantic import Field
 
-from controlplane.api.common import (
+from mcp_edge.controlplane.api.common import (
     ApiError,
     Endpoint,
     json_response,
     read_body,
     services,
 )
-from controlplane.api.schemas import PublicKeyHex, PublisherName, Request, Response
-from controlplane.auth import Role, principal_of
-from controlplane.db.models import ModelVersion, PublisherKey
-from controlplane.repository.http import REPOSITORY
-from controlplane.repository.service import RegistryError, RepositoryService
-from controlplane.repository.tuf_repo import RepositoryError
-from shared.errors import KeyFileError
-from shared.protocol.command import ErrorCode
-from shared.signing import PublicKey
+from mcp_edge.controlplane.api.schemas import PublicKeyHex, PublisherName, Request, Response
+from mcp_edge.controlplane.auth import Role, principal_of
+from mcp_edge.controlplane.db.models import ModelVersion, PublisherKey
+from mcp_edge.controlplane.repository.http import REPOSITORY
+from mcp_edge.controlplane.repository.service import RegistryError, RepositoryService
+from mcp_edge.controlplane.repository.tuf_repo import RepositoryError
+from mcp_edge.shared.errors import KeyFileError
+from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.shared.signing import PublicKey
 
 log = logging.getLogger("mcp.controlplane.api")
 

@@ -18,13 +18,12 @@ from pydantic import (
     Field,
     StringConstraints,
     WithJsonSchema,
-    model_validator,
 )
 
-from controlplane.auth import Role
-from controlplane.enrollment import Approval, DeviceStatus
-from shared.errors import KeyFileError
-from shared.protocol.base import (
+from mcp_edge.controlplane.auth import Role
+from mcp_edge.controlplane.enrollment import Approval, DeviceStatus
+from mcp_edge.shared.errors import KeyFileError
+from mcp_edge.shared.protocol.base import (
     LABEL_KEY_PATTERN,
     LABEL_VALUE_PATTERN,
     HexKey,
@@ -32,11 +31,11 @@ from shared.protocol.base import (
     LabelKey,
     Labels,
 )
-from shared.protocol.command import ErrorCode
-from shared.protocol.enrollment import EnrollmentRequest
-from shared.protocol.repo import MAX_PATH_LENGTH, REPO_SEGMENT_PATTERN
-from shared.signing import check_public_key
-from shared.version import MAX_VERSION_LENGTH, SEMVER_PATTERN
+from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.shared.protocol.enrollment import EnrollmentRequest
+from mcp_edge.shared.protocol.repo import MAX_PATH_LENGTH, REPO_SEGMENT_PATTERN
+from mcp_edge.shared.signing import check_public_key
+from mcp_edge.shared.version import MAX_VERSION_LENGTH, SEMVER_PATTERN
 
 Username = Annotated[str, StringConstraints(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
 Password = Annotated[str, StringConstraints(min_length=8, max_length=1024)]
@@ -96,30 +95,10 @@ LabelFilter = Annotated[
 StatusFilter = Annotated[str, WithJsonSchema({"type": "string", "enum": list(STATUS_FILTERS)})]
 
 
-def _refuse_nul(value: Any, where: str = "") -> None:
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise ValueError(f"{where or 'a value'} contains a NUL character")
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _refuse_nul(k, "a key")
-            _refuse_nul(v, str(k))
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _refuse_nul(v, where)
-
-
 class Request(BaseModel):
-    """Base of request bodies and query strings: unknown fields are errors, and no string may
-    hold a NUL character (PostgreSQL's text columns cannot store one; it is never meaningful)."""
+    """Base of request bodies: unknown fields are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_nul(cls, data: Any) -> Any:
-        _refuse_nul(data)
-        return data
 
 
 class Response(BaseModel):

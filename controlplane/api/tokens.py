@@ -12,20 +12,27 @@ from datetime import datetime, timedelta
 
 from aiohttp import web
 
-from controlplane import audit
-from controlplane.api.common import ApiError, Endpoint, json_response, path_int, read_body, services
-from controlplane.api.schemas import (
+from mcp_edge.controlplane import audit
+from mcp_edge.controlplane.api.common import (
+    ApiError,
+    Endpoint,
+    json_response,
+    path_int,
+    read_body,
+    services,
+)
+from mcp_edge.controlplane.api.schemas import (
     EnrollmentTokenCreate,
     EnrollmentTokenCreated,
     EnrollmentTokenList,
     EnrollmentTokenOut,
 )
-from controlplane.audit import AuditAction
-from controlplane.auth import ENROLLMENT_TOKEN_PREFIX, Role, issue_secret, principal_of
-from controlplane.db import enrollment as q
-from controlplane.db.models import EnrollmentToken
-from controlplane.enrollment import Approval, TokenFacts, token_refusal
-from shared.protocol.command import ErrorCode
+from mcp_edge.controlplane.audit import AuditAction
+from mcp_edge.controlplane.auth import ENROLLMENT_TOKEN_PREFIX, Role, issue_secret, principal_of
+from mcp_edge.controlplane.db import enrollment as q
+from mcp_edge.controlplane.db.models import EnrollmentToken
+from mcp_edge.controlplane.enrollment import Approval, TokenFacts, token_refusal
+from mcp_edge.shared.protocol.command import ErrorCode
 
 _STATE_BY_REFUSAL = {
     "token_revoked": "revoked",

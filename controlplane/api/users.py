@@ -15,8 +15,8 @@ from datetime import datetime, timedelta
 
 from aiohttp import web
 
-from controlplane import audit
-from controlplane.api.common import (
+from mcp_edge.controlplane import audit
+from mcp_edge.controlplane.api.common import (
     ApiError,
     Endpoint,
     json_response,
@@ -24,7 +24,7 @@ from controlplane.api.common import (
     read_body,
     services,
 )
-from controlplane.api.schemas import (
+from mcp_edge.controlplane.api.schemas import (
     ApiTokenCreated,
     ApiTokenList,
     ApiTokenOut,
@@ -35,8 +35,8 @@ from controlplane.api.schemas import (
     UserUpdate,
     WhoAmI,
 )
-from controlplane.audit import AuditAction
-from controlplane.auth import (
+from mcp_edge.controlplane.audit import AuditAction
+from mcp_edge.controlplane.auth import (
     API_TOKEN_PREFIX,
     AuthError,
     Principal,
@@ -44,10 +44,10 @@ from controlplane.auth import (
     issue_secret,
     principal_of,
 )
-from controlplane.db import Tx
-from controlplane.db import users as q
-from controlplane.db.models import ApiToken, User
-from shared.protocol.command import ErrorCode
+from mcp_edge.controlplane.db import Tx
+from mcp_edge.controlplane.db import users as q
+from mcp_edge.controlplane.db.models import ApiToken, User
+from mcp_edge.shared.protocol.command import ErrorCode
 
 LOGIN_MAX_BODY = 4096
 

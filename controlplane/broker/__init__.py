@@ -1,5 +1,5 @@
 """Broker administration: per-device MQTT credentials and access control."""
 
-from controlplane.broker.base import BrokerAdminError, BrokerProvisioner, Credentials
+from mcp_edge.controlplane.broker.base import BrokerAdminError, BrokerProvisioner, Credentials
 
 __all__ = ["BrokerAdminError", "BrokerProvisioner", "Credentials"]

@@ -44,9 +44,9 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shared.errors import TopicError
-from shared.protocol import topics
-from shared.protocol.topics import Channel, TelemetryKind
+from mcp_edge.shared.errors import TopicError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.topics import Channel, TelemetryKind
 
 DEFAULT_FLEET_SHARE_GROUP = "agents"
 SERVICE_ROLE = "controlplane"

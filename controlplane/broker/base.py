@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from shared.errors import McpError
+from mcp_edge.shared.errors import McpError
 
 
 class BrokerAdminError(McpError):

@@ -32,7 +32,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.reasoncodes import ReasonCode
 
-from controlplane.broker.acl import (
+from mcp_edge.controlplane.broker.acl import (
     DEFAULT_FLEET_SHARE_GROUP,
     AccountKind,
     AccountSpec,
@@ -46,8 +46,8 @@ from controlplane.broker.acl import (
     username_for,
     usernames_bound_to,
 )
-from controlplane.broker.base import AccountConflictError, BrokerAdminError, Credentials
-from shared.netutil import close_with_reset, is_self_connected
+from mcp_edge.controlplane.broker.base import AccountConflictError, BrokerAdminError, Credentials
+from mcp_edge.shared.netutil import close_with_reset, is_self_connected
 
 COMMAND_TOPIC = "$CONTROL/dynamic-security/v1"
 RESPONSE_TOPIC = "$CONTROL/dynamic-security/v1/response"

@@ -7,15 +7,15 @@ functions of :mod:`~controlplane.db.users`, :mod:`~controlplane.db.devices`,
 :mod:`controlplane.db.errors`.
 """
 
-from controlplane.db.engine import Database, Tx, async_url
-from controlplane.db.errors import (
+from mcp_edge.controlplane.db.engine import Database, Tx, async_url
+from mcp_edge.controlplane.db.errors import (
     ConflictError,
     DatabaseConfigError,
     DatabaseError,
     NotFoundError,
     UnavailableError,
 )
-from controlplane.db.migrate import current_revision, head_revision, upgrade_head
+from mcp_edge.controlplane.db.migrate import current_revision, head_revision, upgrade_head
 
 __all__ = [
     "ConflictError",

@@ -7,9 +7,9 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from controlplane.db.engine import Tx
-from controlplane.db.errors import ConflictError, NotFoundError
-from controlplane.db.models import AppClient, Device
+from mcp_edge.controlplane.db.engine import Tx
+from mcp_edge.controlplane.db.errors import ConflictError, NotFoundError
+from mcp_edge.controlplane.db.models import AppClient, Device
 
 
 async def create_app_client(

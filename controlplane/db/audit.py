@@ -8,8 +8,8 @@ from typing import Any
 
 from sqlalchemy import select
 
-from controlplane.db.engine import Tx
-from controlplane.db.models import AuditEntry
+from mcp_edge.controlplane.db.engine import Tx
+from mcp_edge.controlplane.db.models import AuditEntry
 
 
 async def insert_entry(

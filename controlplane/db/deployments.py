@@ -14,8 +14,8 @@ from typing import Any
 
 from sqlalchemy import and_, delete, or_, select, tuple_, update
 
-from controlplane.db.engine import Tx
-from controlplane.db.models import (
+from mcp_edge.controlplane.db.engine import Tx
+from mcp_edge.controlplane.db.models import (
     DeploymentRow,
     DesiredStateRow,
     Device,

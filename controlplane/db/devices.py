@@ -13,9 +13,9 @@ from typing import Any
 
 from sqlalchemy import Select, delete, exists, func, insert, select
 
-from controlplane.db.engine import Tx
-from controlplane.db.errors import NotFoundError
-from controlplane.db.models import Device, DeviceLabel
+from mcp_edge.controlplane.db.engine import Tx
+from mcp_edge.controlplane.db.errors import NotFoundError
+from mcp_edge.controlplane.db.models import Device, DeviceLabel
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-from controlplane.db.errors import (
+from mcp_edge.controlplane.db.errors import (
     ConflictError,
     DatabaseConfigError,
     DatabaseError,

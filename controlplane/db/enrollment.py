@@ -9,9 +9,9 @@ from sqlalchemy import delete, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
-from controlplane.db.engine import Tx
-from controlplane.db.errors import NotFoundError
-from controlplane.db.models import EnrollmentNonce, EnrollmentToken
+from mcp_edge.controlplane.db.engine import Tx
+from mcp_edge.controlplane.db.errors import NotFoundError
+from mcp_edge.controlplane.db.models import EnrollmentNonce, EnrollmentToken
 
 
 async def create_token(

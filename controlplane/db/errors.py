@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from shared.errors import McpError
+from mcp_edge.shared.errors import McpError
 
 
 class DatabaseError(McpError):

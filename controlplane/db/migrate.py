@@ -21,8 +21,8 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import SQLAlchemyError
 
-from controlplane.db.engine import Database, translate
-from controlplane.db.errors import DatabaseError
+from mcp_edge.controlplane.db.engine import Database, translate
+from mcp_edge.controlplane.db.errors import DatabaseError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 _ADVISORY_LOCK_KEY = 0x6D63_7065_6467_6501  # "mcpedge" + 1: any constant unique to us
@@ -84,7 +84,7 @@ async def schema_differences(db: Database) -> list[Any]:
     migrations and the models agree). For tests and ``mcp-controlplane`` diagnostics."""
     from alembic.autogenerate import compare_metadata
 
-    from controlplane.db.models import Base
+    from mcp_edge.controlplane.db.models import Base
 
     def compare(connection: Connection) -> list[Any]:
         ctx = MigrationContext.configure(connection, opts={"compare_type": True})

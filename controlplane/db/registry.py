@@ -9,9 +9,9 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from controlplane.db.engine import Tx
-from controlplane.db.errors import ConflictError, NotFoundError
-from controlplane.db.models import Model, ModelVersion, PublisherKey
+from mcp_edge.controlplane.db.engine import Tx
+from mcp_edge.controlplane.db.errors import ConflictError, NotFoundError
+from mcp_edge.controlplane.db.models import Model, ModelVersion, PublisherKey
 
 
 # ---------------------------------------------------------------------------- publisher keys

@@ -17,8 +17,8 @@ from typing import Any
 from sqlalchemy import ColumnElement, Integer, cast, delete, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from controlplane.db.engine import Tx
-from controlplane.db.models import (
+from mcp_edge.controlplane.db.engine import Tx
+from mcp_edge.controlplane.db.models import (
     DeploymentEventRow,
     Device,
     HealthSampleRow,

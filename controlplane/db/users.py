@@ -6,9 +6,9 @@ from datetime import datetime
 
 from sqlalchemy import func, select, update
 
-from controlplane.db.engine import Tx
-from controlplane.db.errors import ConflictError, NotFoundError
-from controlplane.db.models import ApiToken, User
+from mcp_edge.controlplane.db.engine import Tx
+from mcp_edge.controlplane.db.errors import ConflictError, NotFoundError
+from mcp_edge.controlplane.db.models import ApiToken, User
 
 
 async def create_user(tx: Tx, *, username: str, password_hash: str, role: str, now: datetime) -> User:

@@ -21,11 +21,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from controlplane.api.common import Endpoint, error_response
-from controlplane.repository.service import RepositoryService
-from shared.errors import MessageError
-from shared.protocol.command import ErrorCode
-from shared.protocol.repo import validate_repo_path
+from mcp_edge.controlplane.api.common import Endpoint, error_response
+from mcp_edge.controlplane.repository.service import RepositoryService
+from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.shared.protocol.repo import validate_repo_path
 
 log = logging.getLogger("mcp.controlplane.repository")
 

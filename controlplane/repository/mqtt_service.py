@@ -33,13 +33,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from controlplane.broker.base import Credentials
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.mqtt import BrokerAddress, MqttError, MqttSubscriber, ReceivedMessage
-from shared.errors import TopicError
-from shared.protocol import topics
-from shared.protocol.repo import RepoReply, RepoRequest, RepoStatus
-from shared.protocol.topics import Channel
+from mcp_edge.controlplane.broker.base import Credentials
+from mcp_edge.controlplane.metrics import ControlPlaneMetrics
+from mcp_edge.controlplane.mqtt import BrokerAddress, MqttError, MqttSubscriber, ReceivedMessage
+from mcp_edge.shared.errors import TopicError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.repo import RepoReply, RepoRequest, RepoStatus
+from mcp_edge.shared.protocol.topics import Channel
 
 log = logging.getLogger("mcp.controlplane.repository.mqtt")
 

@@ -39,25 +39,25 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from controlplane.db import Database
-from controlplane.db import audit as audit_q
-from controlplane.db import registry as q
-from controlplane.db.models import Model, ModelVersion, PublisherKey
-from controlplane.repository.tuf_repo import (
+from mcp_edge.controlplane.db import Database
+from mcp_edge.controlplane.db import audit as audit_q
+from mcp_edge.controlplane.db import registry as q
+from mcp_edge.controlplane.db.models import Model, ModelVersion, PublisherKey
+from mcp_edge.controlplane.repository.tuf_repo import (
     ROLES,
     Clock,
     Expiry,
     KeyStore,
     TufRepository,
 )
-from controlplane.settings import Settings
-from shared.bundle import BundleLimits, inspect_bundle, verify_bundle
-from shared.errors import BundleError, KeyFileError, McpError, MessageError, VersionError
-from shared.protocol.command import ErrorCode
-from shared.protocol.enrollment import TrustRoot
-from shared.protocol.repo import validate_repo_path
-from shared.signing import PublicKey
-from shared.version import SemVer
+from mcp_edge.controlplane.settings import Settings
+from mcp_edge.shared.bundle import BundleLimits, inspect_bundle, verify_bundle
+from mcp_edge.shared.errors import BundleError, KeyFileError, McpError, MessageError, VersionError
+from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.shared.protocol.enrollment import TrustRoot
+from mcp_edge.shared.protocol.repo import validate_repo_path
+from mcp_edge.shared.signing import PublicKey
+from mcp_edge.shared.version import SemVer
 
 log = logging.getLogger("mcp.controlplane.registry")
 

@@ -48,9 +48,9 @@ from tuf.api.metadata import (
 )
 from tuf.api.serialization.json import JSONSerializer
 
-from shared.errors import McpError
-from shared.fsutil import atomic_write_bytes, fsync_dir
-from shared.signing import PrivateKey, PublicKey, read_private_key, write_private_key
+from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.fsutil import atomic_write_bytes, fsync_dir
+from mcp_edge.shared.signing import PrivateKey, PublicKey, read_private_key, write_private_key
 
 log = logging.getLogger("mcp.controlplane.repository")
 
@@ -356,7 +356,7 @@ class TufRepository:
 
     @staticmethod
     def _check_target_path(path: str) -> None:
-        from shared.protocol.repo import validate_repo_path
+        from mcp_edge.shared.protocol.repo import validate_repo_path
 
         validate_repo_path(f"targets/{path}")
 

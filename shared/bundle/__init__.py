@@ -6,7 +6,7 @@ their sha256 and size. ``docs/bundle-format.md`` is the reference.
 
 Typical use::
 
-    from shared.bundle import build_bundle, sign_bundle, verify_bundle, open_bundle
+    from mcp_edge.shared.bundle import build_bundle, sign_bundle, verify_bundle, open_bundle
 
     build_bundle("model.onnx", "digits-1.3.0.mcpb", name="digits", version="1.3.0")
     sign_bundle("digits-1.3.0.mcpb", publisher_key)
@@ -19,9 +19,9 @@ fault (:class:`~shared.errors.ModelValidationError` for a model that fails its c
 the TFLite runtime are imported only when a model is validated or run.
 """
 
-from shared.bundle.archive import BundleLimits
-from shared.bundle.build import VariantSource, build_bundle, encode_manifest, sign_bundle
-from shared.bundle.manifest import (
+from mcp_edge.shared.bundle.archive import BundleLimits
+from mcp_edge.shared.bundle.build import VariantSource, build_bundle, encode_manifest, sign_bundle
+from mcp_edge.shared.bundle.manifest import (
     SCHEMA_VERSION,
     BundleManifest,
     Constraints,
@@ -35,8 +35,8 @@ from shared.bundle.manifest import (
     TensorSpec,
     Variant,
 )
-from shared.bundle.models import RuntimeUnavailableError
-from shared.bundle.verify import (
+from mcp_edge.shared.bundle.models import RuntimeUnavailableError
+from mcp_edge.shared.bundle.verify import (
     OpenedBundle,
     VerifiedBundle,
     inspect_bundle,

@@ -37,8 +37,8 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from shared.bundle._progress import progress_bar
-from shared.bundle.manifest import (
+from mcp_edge.shared.bundle._progress import progress_bar
+from mcp_edge.shared.bundle.manifest import (
     MANIFEST_NAME,
     MAX_LABELS_BYTES,
     RESERVED_NAMES,
@@ -47,15 +47,15 @@ from shared.bundle.manifest import (
     LabelsRef,
     member_name_problem,
 )
-from shared.bundle.models import inspect_model
-from shared.bundle.tarstream import MemberHeader, TarStream, bundle_error
-from shared.errors import (
+from mcp_edge.shared.bundle.models import inspect_model
+from mcp_edge.shared.bundle.tarstream import MemberHeader, TarStream, bundle_error
+from mcp_edge.shared.errors import (
     BadSignatureError,
     MalformedSignatureError,
     SigningError,
     UnknownSignerError,
 )
-from shared.signing import PublicKey, canonical_json, parse_signature, verify_signature
+from mcp_edge.shared.signing import PublicKey, canonical_json, parse_signature, verify_signature
 
 SignaturePolicy = Literal["require", "optional", "ignore"]
 

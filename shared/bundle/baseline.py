@@ -23,7 +23,12 @@ from itertools import pairwise
 import numpy as np
 import numpy.typing as npt
 
-from shared.bundle.manifest import DriftBaseline, FeatureBaseline, Histogram, OutputBaseline
+from mcp_edge.shared.bundle.manifest import (
+    DriftBaseline,
+    FeatureBaseline,
+    Histogram,
+    OutputBaseline,
+)
 
 MAX_PER_FEATURE = 64
 DEFAULT_BINS = 10

@@ -28,10 +28,15 @@ from typing import Any, BinaryIO, TypeVar, cast
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from shared.bundle._progress import Progress, progress_bar
-from shared.bundle.archive import BundleLimits, load_strict_json, scan_bundle, validation_summary
-from shared.bundle.baseline import BaselineError, compute_baseline
-from shared.bundle.manifest import (
+from mcp_edge.shared.bundle._progress import Progress, progress_bar
+from mcp_edge.shared.bundle.archive import (
+    BundleLimits,
+    load_strict_json,
+    scan_bundle,
+    validation_summary,
+)
+from mcp_edge.shared.bundle.baseline import BaselineError, compute_baseline
+from mcp_edge.shared.bundle.manifest import (
     ANY_PROFILE,
     DEFAULT_TAG,
     MANIFEST_NAME,
@@ -48,13 +53,13 @@ from shared.bundle.manifest import (
     check_identifier,
     format_created,
 )
-from shared.bundle.models import ModelInfo, detect_format, inspect_model, run_model
-from shared.bundle.tarstream import CHUNK, bundle_error
-from shared.bundle.verify import VerifiedBundle
-from shared.errors import BundleError, VersionError
-from shared.fsutil import fsync_dir
-from shared.signing import PrivateKey, canonical_json, make_signature
-from shared.version import SemVer
+from mcp_edge.shared.bundle.models import ModelInfo, detect_format, inspect_model, run_model
+from mcp_edge.shared.bundle.tarstream import CHUNK, bundle_error
+from mcp_edge.shared.bundle.verify import VerifiedBundle
+from mcp_edge.shared.errors import BundleError, VersionError
+from mcp_edge.shared.fsutil import fsync_dir
+from mcp_edge.shared.signing import PrivateKey, canonical_json, make_signature
+from mcp_edge.shared.version import SemVer
 
 LABELS_MEMBER = "labels.txt"
 _M = TypeVar("_M", bound=BaseModel)

@@ -24,8 +24,8 @@ from pydantic import (
     model_validator,
 )
 
-from shared.errors import VersionError
-from shared.version import SemVer
+from mcp_edge.shared.errors import VersionError
+from mcp_edge.shared.version import SemVer
 
 SCHEMA_VERSION: Literal[1] = 1
 MANIFEST_NAME = "manifest.json"

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shared.bundle.manifest import Datatype, ModelFormat, TensorSpec
-from shared.errors import BundleError, ModelValidationError
+from mcp_edge.shared.bundle.manifest import Datatype, ModelFormat, TensorSpec
+from mcp_edge.shared.errors import BundleError, ModelValidationError
 
 TFLITE_INSTALL_HINT = "pip install 'mcp-edge[tflite]'"
 _TFLITE_MAGIC = b"TFL3"

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from shared.bundle._progress import Progress
-from shared.errors import BundleError
+from mcp_edge.shared.bundle._progress import Progress
+from mcp_edge.shared.errors import BundleError
 
 BLOCK = 512
 CHUNK = 1 << 20

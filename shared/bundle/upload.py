@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from shared.errors import McpError
+from mcp_edge.shared.errors import McpError
 
 
 class UploadError(McpError):

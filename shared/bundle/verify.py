@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.bundle.archive import BundleLimits, SignaturePolicy, scan_bundle
-from shared.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME, BundleManifest
-from shared.fsutil import fsync_dir
-from shared.signing import PublicKey
+from mcp_edge.shared.bundle.archive import BundleLimits, SignaturePolicy, scan_bundle
+from mcp_edge.shared.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME, BundleManifest
+from mcp_edge.shared.fsutil import fsync_dir
+from mcp_edge.shared.signing import PublicKey
 
 
 @dataclass(frozen=True)

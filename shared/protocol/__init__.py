@@ -2,7 +2,7 @@
 
 Import what you need from here::
 
-    from shared.protocol import topics, encode, decode, InferRequest
+    from mcp_edge.shared.protocol import topics, encode, decode, InferRequest
 
 No module in this package performs I/O; transports live in ``agent`` and ``controlplane``.
 Names are loaded on first use (PEP 562), so a process that needs only the inference messages
@@ -14,54 +14,54 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from shared.protocol import topics
+from mcp_edge.shared.protocol import topics
 
 _EXPORTS: dict[str, str] = {
-    "BatchingPolicy": "shared.protocol.state",
-    "BrokerCredentials": "shared.protocol.enrollment",
-    "CanarySpec": "shared.protocol.state",
-    "CommandName": "shared.protocol.command",
-    "CommandReply": "shared.protocol.command",
-    "CommandRequest": "shared.protocol.command",
-    "Datatype": "shared.protocol.wire",
-    "DeploymentEvent": "shared.protocol.state",
-    "DeploymentPhase": "shared.protocol.state",
-    "DesiredModel": "shared.protocol.state",
-    "DesiredState": "shared.protocol.state",
-    "DriftReport": "shared.protocol.telemetry",
-    "EnrollmentAnswer": "shared.protocol.enrollment",
-    "EnrollmentRequest": "shared.protocol.enrollment",
-    "EnrollmentStatus": "shared.protocol.enrollment",
-    "ErrorCode": "shared.protocol.wire",
-    "ErrorReply": "shared.protocol.command",
-    "EventOutcome": "shared.protocol.state",
-    "FeatureDrift": "shared.protocol.telemetry",
-    "GpuSample": "shared.protocol.telemetry",
-    "HealthSample": "shared.protocol.telemetry",
-    "InferRequest": "shared.protocol.inference",
-    "InferResponse": "shared.protocol.inference",
-    "InferTensor": "shared.protocol.inference",
-    "InferenceStats": "shared.protocol.telemetry",
-    "LatencySummary": "shared.protocol.telemetry",
-    "Message": "shared.protocol.base",
-    "ModelInferenceStats": "shared.protocol.telemetry",
-    "ModelStatus": "shared.protocol.state",
-    "ReportedState": "shared.protocol.state",
-    "RequestedOutput": "shared.protocol.inference",
-    "TargetRef": "shared.protocol.state",
-    "TelemetryPolicy": "shared.protocol.state",
-    "TrustRoot": "shared.protocol.enrollment",
-    "decode": "shared.protocol.codec",
-    "decode_for_topic": "shared.protocol.codec",
-    "encode": "shared.protocol.codec",
-    "loads": "shared.protocol.wire",
-    "new_nonce": "shared.protocol.enrollment",
-    "schema_for_topic": "shared.protocol.codec",
-    "sign_desired_state": "shared.protocol.state",
-    "sign_enrollment": "shared.protocol.enrollment",
-    "validate": "shared.protocol.codec",
-    "verify_desired_state": "shared.protocol.state",
-    "verify_enrollment": "shared.protocol.enrollment",
+    "BatchingPolicy": "mcp_edge.shared.protocol.state",
+    "BrokerCredentials": "mcp_edge.shared.protocol.enrollment",
+    "CanarySpec": "mcp_edge.shared.protocol.state",
+    "CommandName": "mcp_edge.shared.protocol.command",
+    "CommandReply": "mcp_edge.shared.protocol.command",
+    "CommandRequest": "mcp_edge.shared.protocol.command",
+    "Datatype": "mcp_edge.shared.protocol.wire",
+    "DeploymentEvent": "mcp_edge.shared.protocol.state",
+    "DeploymentPhase": "mcp_edge.shared.protocol.state",
+    "DesiredModel": "mcp_edge.shared.protocol.state",
+    "DesiredState": "mcp_edge.shared.protocol.state",
+    "DriftReport": "mcp_edge.shared.protocol.telemetry",
+    "EnrollmentAnswer": "mcp_edge.shared.protocol.enrollment",
+    "EnrollmentRequest": "mcp_edge.shared.protocol.enrollment",
+    "EnrollmentStatus": "mcp_edge.shared.protocol.enrollment",
+    "ErrorCode": "mcp_edge.shared.protocol.wire",
+    "ErrorReply": "mcp_edge.shared.protocol.command",
+    "EventOutcome": "mcp_edge.shared.protocol.state",
+    "FeatureDrift": "mcp_edge.shared.protocol.telemetry",
+    "GpuSample": "mcp_edge.shared.protocol.telemetry",
+    "HealthSample": "mcp_edge.shared.protocol.telemetry",
+    "InferRequest": "mcp_edge.shared.protocol.inference",
+    "InferResponse": "mcp_edge.shared.protocol.inference",
+    "InferTensor": "mcp_edge.shared.protocol.inference",
+    "InferenceStats": "mcp_edge.shared.protocol.telemetry",
+    "LatencySummary": "mcp_edge.shared.protocol.telemetry",
+    "Message": "mcp_edge.shared.protocol.base",
+    "ModelInferenceStats": "mcp_edge.shared.protocol.telemetry",
+    "ModelStatus": "mcp_edge.shared.protocol.state",
+    "ReportedState": "mcp_edge.shared.protocol.state",
+    "RequestedOutput": "mcp_edge.shared.protocol.inference",
+    "TargetRef": "mcp_edge.shared.protocol.state",
+    "TelemetryPolicy": "mcp_edge.shared.protocol.state",
+    "TrustRoot": "mcp_edge.shared.protocol.enrollment",
+    "decode": "mcp_edge.shared.protocol.codec",
+    "decode_for_topic": "mcp_edge.shared.protocol.codec",
+    "encode": "mcp_edge.shared.protocol.codec",
+    "loads": "mcp_edge.shared.protocol.wire",
+    "new_nonce": "mcp_edge.shared.protocol.enrollment",
+    "schema_for_topic": "mcp_edge.shared.protocol.codec",
+    "sign_desired_state": "mcp_edge.shared.protocol.state",
+    "sign_enrollment": "mcp_edge.shared.protocol.enrollment",
+    "validate": "mcp_edge.shared.protocol.codec",
+    "verify_desired_state": "mcp_edge.shared.protocol.state",
+    "verify_enrollment": "mcp_edge.shared.protocol.enrollment",
 }
 
 __all__ = [
@@ -114,23 +114,23 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from shared.protocol.base import (
+    from mcp_edge.shared.protocol.base import (
         Message,
     )
-    from shared.protocol.codec import (
+    from mcp_edge.shared.protocol.codec import (
         decode,
         decode_for_topic,
         encode,
         schema_for_topic,
         validate,
     )
-    from shared.protocol.command import (
+    from mcp_edge.shared.protocol.command import (
         CommandName,
         CommandReply,
         CommandRequest,
         ErrorReply,
     )
-    from shared.protocol.enrollment import (
+    from mcp_edge.shared.protocol.enrollment import (
         BrokerCredentials,
         EnrollmentAnswer,
         EnrollmentRequest,
@@ -140,13 +140,13 @@ if TYPE_CHECKING:
         sign_enrollment,
         verify_enrollment,
     )
-    from shared.protocol.inference import (
+    from mcp_edge.shared.protocol.inference import (
         InferRequest,
         InferResponse,
         InferTensor,
         RequestedOutput,
     )
-    from shared.protocol.state import (
+    from mcp_edge.shared.protocol.state import (
         BatchingPolicy,
         CanarySpec,
         DeploymentEvent,
@@ -161,7 +161,7 @@ if TYPE_CHECKING:
         sign_desired_state,
         verify_desired_state,
     )
-    from shared.protocol.telemetry import (
+    from mcp_edge.shared.protocol.telemetry import (
         DriftReport,
         FeatureDrift,
         GpuSample,
@@ -170,7 +170,7 @@ if TYPE_CHECKING:
         LatencySummary,
         ModelInferenceStats,
     )
-    from shared.protocol.wire import Datatype, ErrorCode, loads
+    from mcp_edge.shared.protocol.wire import Datatype, ErrorCode, loads
 
 
 def __getattr__(name: str) -> Any:

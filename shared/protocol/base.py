@@ -7,7 +7,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
 
-from shared.protocol.topics import IDENTIFIER_PATTERN, validate_id
+from mcp_edge.shared.protocol.topics import IDENTIFIER_PATTERN, validate_id
 
 IdentifierSchema = WithJsonSchema(
     {"type": "string", "pattern": IDENTIFIER_PATTERN, "minLength": 1, "maxLength": 64}

@@ -16,13 +16,13 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from shared.errors import MessageError
-from shared.protocol import topics
-from shared.protocol.base import Message
-from shared.protocol.inference import (
+from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.base import Message
+from mcp_edge.shared.protocol.inference import (
     InferRequest,
 )
-from shared.protocol.wire import loads
+from mcp_edge.shared.protocol.wire import loads
 
 __all__ = [
     "decode", "decode_for_parsed", "decode_for_topic", "describe_validation_error", "encode",
@@ -84,9 +84,9 @@ def schema_for_topic(topic: topics.Topic) -> type[Message] | None:
 def _schemas() -> tuple[dict[str, type[Message]], dict[topics.Channel, type[Message]]]:
     # Imported on first use so a process that only decodes inference requests (the agent's
     # HTTP path) does not load every message family.
-    from shared.protocol.command import CommandReply, CommandRequest
-    from shared.protocol.state import DeploymentEvent, ReportedState
-    from shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
+    from mcp_edge.shared.protocol.command import CommandReply, CommandRequest
+    from mcp_edge.shared.protocol.state import DeploymentEvent, ReportedState
+    from mcp_edge.shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
 
     by_kind: dict[str, type[Message]] = {
         topics.TelemetryKind.HEALTH.value: HealthSample,

@@ -9,8 +9,8 @@ from typing import Any, ClassVar
 
 from pydantic import AwareDatetime, Field
 
-from shared.protocol.base import Message, ShortText
-from shared.protocol.wire import ErrorCode
+from mcp_edge.shared.protocol.base import Message, ShortText
+from mcp_edge.shared.protocol.wire import ErrorCode
 
 __all__ = ["CommandName", "CommandReply", "CommandRequest", "ErrorCode", "ErrorReply"]
 

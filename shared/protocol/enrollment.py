@@ -16,9 +16,17 @@ from typing import Any, ClassVar
 
 from pydantic import AwareDatetime, Field
 
-from shared.errors import ExpiredError, MessageError, SigningError, WrongKeyError
-from shared.protocol.base import Facts, HexKey, Identifier, Labels, Message, Nonce, ShortText
-from shared.signing import PrivateKey, PublicKey, sign_document, verify_document
+from mcp_edge.shared.errors import ExpiredError, MessageError, SigningError, WrongKeyError
+from mcp_edge.shared.protocol.base import (
+    Facts,
+    HexKey,
+    Identifier,
+    Labels,
+    Message,
+    Nonce,
+    ShortText,
+)
+from mcp_edge.shared.signing import PrivateKey, PublicKey, sign_document, verify_document
 
 MAX_CLOCK_SKEW_S = 300.0
 

@@ -14,9 +14,9 @@ from typing import Any, ClassVar
 import numpy as np
 from pydantic import Field, StrictInt, field_validator
 
-from shared.errors import MessageError
-from shared.protocol.base import Identifier, Message
-from shared.protocol.wire import MAX_TENSOR_ELEMENTS, Datatype
+from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.protocol.base import Identifier, Message
+from mcp_edge.shared.protocol.wire import MAX_TENSOR_ELEMENTS, Datatype
 
 __all__ = [
     "MAX_TENSOR_ELEMENTS", "Datatype", "InferRequest", "InferResponse", "InferTensor",

@@ -33,8 +33,8 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator
 
-from shared.errors import MessageError
-from shared.protocol.base import Message
+from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.protocol.base import Message
 
 MAX_CHUNK_BYTES = 128 * 1024
 """The most bytes one reply carries."""

@@ -15,9 +15,9 @@ from typing import Any, ClassVar
 
 from pydantic import AwareDatetime, Field, model_validator
 
-from shared.errors import ExpiredError, MessageError, ReplayError
-from shared.protocol.base import Identifier, Message, Sha256Hex, ShortText, VersionText
-from shared.signing import PrivateKey, PublicKey, sign_document, verify_document
+from mcp_edge.shared.errors import ExpiredError, MessageError, ReplayError
+from mcp_edge.shared.protocol.base import Identifier, Message, Sha256Hex, ShortText, VersionText
+from mcp_edge.shared.signing import PrivateKey, PublicKey, sign_document, verify_document
 
 
 class TargetRef(Message):

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from shared.protocol.base import Identifier, Message, VersionText
+from mcp_edge.shared.protocol.base import Identifier, Message, VersionText
 
 Count = int
 _MAX_BINS = 256

@@ -40,7 +40,7 @@ import re
 import secrets
 from dataclasses import dataclass
 
-from shared.errors import TopicError
+from mcp_edge.shared.errors import TopicError
 
 PREFIX = "mcp/v1"
 SHARE_PREFIX = "$share"

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from shared.errors import MessageError
+from mcp_edge.shared.errors import MessageError
 
 MAX_TENSOR_ELEMENTS = 16 * 1024 * 1024
 

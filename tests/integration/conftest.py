@@ -26,7 +26,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from paho.mqtt.reasoncodes import ReasonCode
 
-from controlplane.broker.base import Credentials
+from mcp_edge.controlplane.broker.base import Credentials
 from tests.support.controlplane import reset_postgres
 from tests.support.mosquitto import DynsecMosquittoBroker, MosquittoBroker, find_executable
 

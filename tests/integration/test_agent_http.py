@@ -16,15 +16,15 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from PIL import Image
 
-from agent.http_api import build_app
-from agent.repository import ModelRepository, RepositoryWatcher
-from agent.runtime.batcher import BatchingConfig
-from agent.runtime.loader import load_runner
-from agent.runtime.manager import ModelManager, ModelSource
-from agent.runtime.runner import ModelRunner
-from shared.bundle import build_bundle, sign_bundle
-from shared.profiles import load_profiles
-from shared.signing import PrivateKey
+from mcp_edge.agent.http_api import build_app
+from mcp_edge.agent.repository import ModelRepository, RepositoryWatcher
+from mcp_edge.agent.runtime.batcher import BatchingConfig
+from mcp_edge.agent.runtime.loader import load_runner
+from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
+from mcp_edge.agent.runtime.runner import ModelRunner
+from mcp_edge.shared.bundle import build_bundle, sign_bundle
+from mcp_edge.shared.profiles import load_profiles
+from mcp_edge.shared.signing import PrivateKey
 from tests.support.models import DigitsModels, make_digits_models, onnx_predict
 from tests.support.runners import DoublingRunner, FailingAfterWarmup
 

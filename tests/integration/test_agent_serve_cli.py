@@ -20,7 +20,7 @@ import pytest
 from tests.support.models import DigitsModels
 from tests.support.processes import free_port
 
-AGENT = [sys.executable, "-m", "agent.cli"]
+AGENT = [sys.executable, "-m", "mcp_edge.agent.cli"]
 
 
 def _get(url: str) -> tuple[int, Any]:

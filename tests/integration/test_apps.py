@@ -21,15 +21,15 @@ import pytest
 from aiohttp.test_utils import TestClient
 from click.testing import CliRunner, Result
 
-from controlplane.app import UnconfiguredProvisioner
-from controlplane.bootstrap import initialize
-from controlplane.broker.base import BrokerProvisioner, Credentials
-from controlplane.broker.dynsec import DynsecProvisioner
-from controlplane.cli import main
-from controlplane.settings import PasswordCost, Settings
-from shared.protocol import topics
-from shared.protocol.topics import FleetInferTopic
-from shared.signing import PrivateKey
+from mcp_edge.controlplane.app import UnconfiguredProvisioner
+from mcp_edge.controlplane.bootstrap import initialize
+from mcp_edge.controlplane.broker.base import BrokerProvisioner, Credentials
+from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
+from mcp_edge.controlplane.cli import main
+from mcp_edge.controlplane.settings import PasswordCost, Settings
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.topics import FleetInferTopic
+from mcp_edge.shared.signing import PrivateKey
 from tests.integration.conftest import MqttProbe, ProbeFactory
 from tests.support.controlplane import (
     ADMIN_PASSWORD,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.broker.dynsec import DynsecProvisioner
-from shared.protocol import topics
+from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
+from mcp_edge.shared.protocol import topics
 from tests.integration.conftest import ProbeFactory
 from tests.support.mosquitto import MosquittoBroker, find_dynsec_plugin
 

@@ -18,11 +18,15 @@ from collections.abc import AsyncIterator
 import paho.mqtt.client as mqtt
 import pytest
 
-from controlplane.broker.acl import client_reply_filter, device_infer_filter, every_device_filter
-from controlplane.broker.base import BrokerAdminError, Credentials
-from controlplane.broker.dynsec import DynsecProvisioner
-from shared.protocol import topics
-from shared.protocol.topics import Channel, FleetInferTopic, TelemetryKind
+from mcp_edge.controlplane.broker.acl import (
+    client_reply_filter,
+    device_infer_filter,
+    every_device_filter,
+)
+from mcp_edge.controlplane.broker.base import BrokerAdminError, Credentials
+from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.topics import Channel, FleetInferTopic, TelemetryKind
 from tests.integration.conftest import MqttProbe, ProbeFactory, dynsec_request
 from tests.support.mosquitto import DynsecMosquittoBroker, free_loopback_port
 

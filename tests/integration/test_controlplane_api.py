@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from controlplane.db import Database
-from controlplane.db.migrate import head_revision, schema_differences
-from controlplane.settings import EnrollmentApproval, PasswordCost, Settings
-from shared.protocol.enrollment import nonce_retention
-from shared.signing import PrivateKey
+from mcp_edge.controlplane.db import Database
+from mcp_edge.controlplane.db.migrate import head_revision, schema_differences
+from mcp_edge.controlplane.settings import EnrollmentApproval, PasswordCost, Settings
+from mcp_edge.shared.protocol.enrollment import nonce_retention
+from mcp_edge.shared.signing import PrivateKey
 from tests.support.controlplane import (
     ADMIN_PASSWORD,
     ControlPlane,

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner, Result
 
-from controlplane.cli import main
-from controlplane.db.migrate import head_revision
-from controlplane.settings import load_settings
-from shared.signing import PrivateKey
+from mcp_edge.controlplane.cli import main
+from mcp_edge.controlplane.db.migrate import head_revision
+from mcp_edge.controlplane.settings import load_settings
+from mcp_edge.shared.signing import PrivateKey
 from tests.support.controlplane import FakeClock, FakeProvisioner, envelope, served
 
-CLI = [sys.executable, "-m", "controlplane.cli"]
+CLI = [sys.executable, "-m", "mcp_edge.controlplane.cli"]
 PASSWORD = "admin-password-1"
 
 

@@ -17,8 +17,8 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from controlplane.broker.base import Credentials
-from controlplane.mqtt import BrokerAddress, MqttError, MqttSubscriber, ReceivedMessage
+from mcp_edge.controlplane.broker.base import Credentials
+from mcp_edge.controlplane.mqtt import BrokerAddress, MqttError, MqttSubscriber, ReceivedMessage
 from tests.integration.conftest import MqttProbe, ProbeFactory
 from tests.support.mosquitto import MosquittoBroker
 

@@ -27,25 +27,30 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from click.testing import CliRunner, Result
 
-from controlplane.api.common import SERVICES
-from controlplane.api.deployments import DEPLOYMENTS
-from controlplane.app import create_app
-from controlplane.bootstrap import initialize
-from controlplane.broker.dynsec import DynsecProvisioner
-from controlplane.cli import main
-from controlplane.db import Database, registry
-from controlplane.db.deployments import DeviceModelView, VersionView
-from controlplane.deployments import DeploymentService
-from controlplane.desired import build_desired_state, downgrades
-from controlplane.ingest import IngestConnection
-from controlplane.mqtt import BrokerAddress
-from controlplane.repository.tuf_repo import KeyStore
-from controlplane.settings import PasswordCost, Settings, load_settings
-from shared.errors import ExpiredError
-from shared.protocol import topics
-from shared.protocol.state import DesiredState, ModelStatus, ReportedState, verify_desired_state
-from shared.signing import PrivateKey, PublicKey
-from shared.version import parse_version
+from mcp_edge.controlplane.api.common import SERVICES
+from mcp_edge.controlplane.api.deployments import DEPLOYMENTS
+from mcp_edge.controlplane.app import create_app
+from mcp_edge.controlplane.bootstrap import initialize
+from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
+from mcp_edge.controlplane.cli import main
+from mcp_edge.controlplane.db import Database, registry
+from mcp_edge.controlplane.db.deployments import DeviceModelView, VersionView
+from mcp_edge.controlplane.deployments import DeploymentService
+from mcp_edge.controlplane.desired import build_desired_state, downgrades
+from mcp_edge.controlplane.ingest import IngestConnection
+from mcp_edge.controlplane.mqtt import BrokerAddress
+from mcp_edge.controlplane.repository.tuf_repo import KeyStore
+from mcp_edge.controlplane.settings import PasswordCost, Settings, load_settings
+from mcp_edge.shared.errors import ExpiredError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.state import (
+    DesiredState,
+    ModelStatus,
+    ReportedState,
+    verify_desired_state,
+)
+from mcp_edge.shared.signing import PrivateKey, PublicKey
+from mcp_edge.shared.version import parse_version
 from tests.integration.conftest import MqttProbe
 from tests.support.controlplane import (
     START,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.protocol import topics
+from mcp_edge.shared.protocol import topics
 from tests.integration.conftest import ACL_KINDS, MqttProbe, set_default_acl_access
 from tests.integration.test_deployments import (
     Fleet,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.fleet.client import InferenceClient
+from mcp_edge.agent.fleet.client import InferenceClient
 from tests.support.models import DigitsModels
 from tests.support.mosquitto import DynsecMosquittoBroker
 from tests.support.processes import (

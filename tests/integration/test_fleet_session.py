@@ -25,16 +25,16 @@ from hypothesis import strategies as st
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from agent.fleet.client import InferenceClient, InferenceReplyError, parse_reply
-from agent.fleet.mqtt import Backoff, InboundMessage, MqttClient, MqttSettings
-from agent.fleet.mqtt_connection import encode_publish_properties
-from agent.fleet.session import FleetConfig, FleetSession
-from agent.fleet.spool import Spool, SpoolKind
-from agent.fleet.telemetry import HealthCollector
-from agent.runtime.loader import load_runner
-from agent.runtime.manager import ModelManager, ModelSource
-from shared.profiles import load_profiles
-from shared.protocol import (
+from mcp_edge.agent.fleet.client import InferenceClient, InferenceReplyError, parse_reply
+from mcp_edge.agent.fleet.mqtt import Backoff, InboundMessage, MqttClient, MqttSettings
+from mcp_edge.agent.fleet.mqtt_connection import encode_publish_properties
+from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
+from mcp_edge.agent.fleet.spool import Spool, SpoolKind
+from mcp_edge.agent.fleet.telemetry import HealthCollector
+from mcp_edge.agent.runtime.loader import load_runner
+from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
+from mcp_edge.shared.profiles import load_profiles
+from mcp_edge.shared.protocol import (
     CommandReply,
     DeploymentEvent,
     DeploymentPhase,
@@ -49,7 +49,7 @@ from shared.protocol import (
     topics,
     verify_desired_state,
 )
-from shared.signing import PrivateKey, sign_document
+from mcp_edge.shared.signing import PrivateKey, sign_document
 from tests.support.models import DigitsModels
 from tests.support.mosquitto import MosquittoBroker
 
@@ -210,8 +210,8 @@ async def test_a_burst_of_messages_arrives_whole_and_in_order(
 # ------------------------------------------------------------------------------ birth / will
 AGENT_SCRIPT = textwrap.dedent("""
     import asyncio, sys
-    from agent.fleet.session import FleetConfig, FleetSession
-    from agent.fleet.spool import Spool
+    from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
+    from mcp_edge.agent.fleet.spool import Spool
 
     async def main() -> None:
         device, host, port, spool = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]

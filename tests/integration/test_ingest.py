@@ -23,16 +23,16 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
-from controlplane.app import INGEST, create_app
-from controlplane.bootstrap import initialize
-from controlplane.broker.base import Credentials
-from controlplane.broker.dynsec import DynsecProvisioner
-from controlplane.ingest import IngestConnection, IngestService
-from controlplane.mqtt import BrokerAddress
-from controlplane.settings import PasswordCost, Settings
-from shared.protocol import topics
-from shared.protocol.topics import TelemetryKind
-from shared.signing import PrivateKey
+from mcp_edge.controlplane.app import INGEST, create_app
+from mcp_edge.controlplane.bootstrap import initialize
+from mcp_edge.controlplane.broker.base import Credentials
+from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
+from mcp_edge.controlplane.ingest import IngestConnection, IngestService
+from mcp_edge.controlplane.mqtt import BrokerAddress
+from mcp_edge.controlplane.settings import PasswordCost, Settings
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.topics import TelemetryKind
+from mcp_edge.shared.signing import PrivateKey
 from tests.integration.conftest import MqttProbe
 from tests.support.controlplane import ControlPlane, FakeClock
 from tests.support.mosquitto import DynsecMosquittoBroker

@@ -15,21 +15,21 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.fleet.client import (
+from mcp_edge.agent.fleet.client import (
     InferenceClient,
     InferenceReplyError,
     NoResponderError,
     parse_reply,
 )
-from agent.fleet.mqtt import InboundMessage, MqttClient, MqttSettings
-from agent.fleet.session import FleetConfig, FleetSession
-from agent.fleet.spool import Spool
-from agent.runtime.batcher import BatchingConfig
-from agent.runtime.loader import load_runner
-from agent.runtime.manager import ModelManager, ModelSource
-from agent.runtime.runner import ModelRunner
-from shared.profiles import load_profiles
-from shared.protocol import ErrorCode, topics
+from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttSettings
+from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
+from mcp_edge.agent.fleet.spool import Spool
+from mcp_edge.agent.runtime.batcher import BatchingConfig
+from mcp_edge.agent.runtime.loader import load_runner
+from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
+from mcp_edge.agent.runtime.runner import ModelRunner
+from mcp_edge.shared.profiles import load_profiles
+from mcp_edge.shared.protocol import ErrorCode, topics
 from tests.support.models import DigitsModels, onnx_predict
 from tests.support.mosquitto import MosquittoBroker
 from tests.support.runners import DoublingRunner

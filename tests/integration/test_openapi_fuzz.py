@@ -32,9 +32,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from controlplane.app import OPENAPI, create_app
-from controlplane.bootstrap import initialize
-from controlplane.settings import PasswordCost, Settings
+from mcp_edge.controlplane.app import OPENAPI, create_app
+from mcp_edge.controlplane.bootstrap import initialize
+from mcp_edge.controlplane.settings import PasswordCost, Settings
 from tests.support.controlplane import ADMIN_PASSWORD, FakeClock, FakeProvisioner, served
 
 # A name the fuzzer's usernames (PATCH /api/v1/users/{username}) will not hit, so it never

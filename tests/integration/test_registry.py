@@ -24,14 +24,14 @@ from aiohttp.test_utils import TestClient, TestServer
 from click.testing import CliRunner
 from tuf.ngclient.updater import Updater
 
-from agent.update.transport_http import HttpRepoTransport
-from controlplane.app import create_app
-from controlplane.bootstrap import initialize
-from controlplane.cli import main as controlplane_cli
-from controlplane.settings import PasswordCost, Settings, SettingsError, load_settings
-from shared.bundle import build_bundle, sign_bundle
-from shared.bundle_cli import cli as bundle_cli
-from shared.signing import PrivateKey, write_public_key
+from mcp_edge.agent.update.transport_http import HttpRepoTransport
+from mcp_edge.controlplane.app import create_app
+from mcp_edge.controlplane.bootstrap import initialize
+from mcp_edge.controlplane.cli import main as controlplane_cli
+from mcp_edge.controlplane.settings import PasswordCost, Settings, SettingsError, load_settings
+from mcp_edge.shared.bundle import build_bundle, sign_bundle
+from mcp_edge.shared.bundle_cli import cli as bundle_cli
+from mcp_edge.shared.signing import PrivateKey, write_public_key
 from tests.support.controlplane import (
     ADMIN_PASSWORD,
     ControlPlane,
@@ -73,7 +73,7 @@ def bundles(tmp_path_factory: pytest.TempPathFactory, digits: DigitsModels) -> B
             sign_bundle(path, key, validate_models=False)
         return path
 
-    from shared.bundle import VariantSource
+    from mcp_edge.shared.bundle import VariantSource
 
     return Bundles(
         publisher=publisher,

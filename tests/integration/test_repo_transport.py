@@ -24,18 +24,18 @@ from tuf.api.exceptions import (
 from tuf.api.metadata import TargetFile  # type: ignore[attr-defined]
 from tuf.ngclient.updater import Updater
 
-from agent.fleet.mqtt import InboundMessage, MqttClient, MqttSettings, Subscription
-from agent.fleet.session import FleetConfig, FleetSession
-from agent.fleet.spool import Spool
-from agent.update.transport_http import HttpRepoTransport
-from agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
-from controlplane.broker.base import Credentials
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.mqtt import BrokerAddress
-from controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
-from controlplane.repository.tuf_repo import KeyStore, TufRepository
-from shared.protocol import topics
-from shared.protocol.repo import RepoReply, RepoStatus
+from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttSettings, Subscription
+from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
+from mcp_edge.agent.fleet.spool import Spool
+from mcp_edge.agent.update.transport_http import HttpRepoTransport
+from mcp_edge.agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
+from mcp_edge.controlplane.broker.base import Credentials
+from mcp_edge.controlplane.metrics import ControlPlaneMetrics
+from mcp_edge.controlplane.mqtt import BrokerAddress
+from mcp_edge.controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
+from mcp_edge.controlplane.repository.tuf_repo import KeyStore, TufRepository
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.repo import RepoReply, RepoStatus
 from tests.support.mosquitto import MosquittoBroker
 
 DEVICE = "dev-repo-1"

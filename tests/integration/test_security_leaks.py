@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from controlplane.app import create_app
-from controlplane.broker.dynsec import DynsecProvisioner
-from controlplane.db import Database
-from controlplane.db import registry as registry_q
-from controlplane.settings import PasswordCost, Settings
-from shared.protocol.enrollment import EnrollmentRequest, new_nonce
-from shared.signing import PrivateKey, key_id, sign_document
+from mcp_edge.controlplane.app import create_app
+from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
+from mcp_edge.controlplane.db import Database
+from mcp_edge.controlplane.db import registry as registry_q
+from mcp_edge.controlplane.settings import PasswordCost, Settings
+from mcp_edge.shared.protocol.enrollment import EnrollmentRequest, new_nonce
+from mcp_edge.shared.signing import PrivateKey, key_id, sign_document
 from tests.support.controlplane import (
     START,
     ControlPlane,

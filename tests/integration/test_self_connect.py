@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.fleet.mqtt import MqttClient, MqttConnectError, MqttSettings
-from agent.fleet.session import FleetConfig, FleetSession
-from agent.fleet.spool import Spool
-from shared.netutil import ephemeral_port_range, free_port_below_ephemeral
+from mcp_edge.agent.fleet.mqtt import MqttClient, MqttConnectError, MqttSettings
+from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
+from mcp_edge.agent.fleet.spool import Spool
+from mcp_edge.shared.netutil import ephemeral_port_range, free_port_below_ephemeral
 from tests.support.mosquitto import LOOPBACK, MosquittoBroker
 
 pytestmark = pytest.mark.mosquitto

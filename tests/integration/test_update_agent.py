@@ -24,24 +24,24 @@ import numpy as np
 import pytest
 from tuf.api.exceptions import DownloadError
 
-from agent.fleet.session import FleetConfig, FleetSession
-from agent.fleet.spool import Spool
-from agent.runtime.manager import ModelManager
-from agent.serve import runner_factory
-from agent.update.machine import Cause, Phase
-from agent.update.steps import RetryPolicy
-from agent.update.store import DiskUsage
-from agent.update.transport import Progress
-from agent.update.transport_file import FileRepoTransport
-from agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
-from agent.update.updater import UpdateAgent
-from controlplane.broker.base import Credentials
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.mqtt import BrokerAddress
-from controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
-from shared.errors import ExpiredError, ReplayError, SigningError
-from shared.profiles import HardwareProfile
-from shared.protocol.state import (
+from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
+from mcp_edge.agent.fleet.spool import Spool
+from mcp_edge.agent.runtime.manager import ModelManager
+from mcp_edge.agent.serve import runner_factory
+from mcp_edge.agent.update.machine import Cause, Phase
+from mcp_edge.agent.update.steps import RetryPolicy
+from mcp_edge.agent.update.store import DiskUsage
+from mcp_edge.agent.update.transport import Progress
+from mcp_edge.agent.update.transport_file import FileRepoTransport
+from mcp_edge.agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
+from mcp_edge.agent.update.updater import UpdateAgent
+from mcp_edge.controlplane.broker.base import Credentials
+from mcp_edge.controlplane.metrics import ControlPlaneMetrics
+from mcp_edge.controlplane.mqtt import BrokerAddress
+from mcp_edge.controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
+from mcp_edge.shared.errors import ExpiredError, ReplayError, SigningError
+from mcp_edge.shared.profiles import HardwareProfile
+from mcp_edge.shared.protocol.state import (
     CanarySpec,
     DeploymentEvent,
     DesiredModel,
@@ -49,7 +49,7 @@ from shared.protocol.state import (
     ReportedState,
     TargetRef,
 )
-from shared.signing import PrivateKey
+from mcp_edge.shared.signing import PrivateKey
 from tests.support.models import DigitsModels, onnx_predict
 from tests.support.mosquitto import MosquittoBroker
 from tests.support.tuf import DEVICE, SignedRepo, make_bundle, update_profile

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,10 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     wheels = list(dist.glob("mcp_edge-*.whl"))
     assert len(wheels) == 1, wheels
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        tops = {name.split("/")[0] for name in wheel.namelist()}
+    # One top-level import name; generic ones (agent, shared, ...) never land in site-packages.
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"mcp_edge"}, tops
     env_dir = work / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     subprocess.run(
@@ -34,18 +39,33 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return env_dir
 
 
+@pytest.fixture
+def clashing_dir(tmp_path: Path) -> Path:
+    """A working directory holding unrelated ``agent/`` and ``shared/`` packages, as a user's
+    project might: imports of the generic names would pick these up."""
+    for name in ("agent", "shared", "controlplane"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            f"raise ImportError('the unrelated {name} package was imported')\n"
+        )
+    return tmp_path
+
+
 @pytest.mark.timeout(900)
-def test_packages_import_and_profiles_load_from_the_wheel(installed_wheel: Path, tmp_path: Path) -> None:
+def test_packages_import_and_profiles_load_from_the_wheel(
+    installed_wheel: Path, clashing_dir: Path
+) -> None:
     code = (
-        "import shared, agent, controlplane, firmware_profiles, shared.bundle, shared.protocol\n"
-        "from shared.profiles import load_profiles\n"
-        "print(shared.__file__)\n"
+        "import mcp_edge.agent, mcp_edge.controlplane, mcp_edge.shared.bundle\n"
+        "import mcp_edge.shared.protocol, mcp_edge.firmware_profiles\n"
+        "from mcp_edge.shared.profiles import load_profiles\n"
+        "print(mcp_edge.shared.__file__)\n"
         "print(','.join(load_profiles()))\n"
     )
-    # Run from an empty directory so the checkout cannot shadow the installed packages.
+    # Run from a directory whose own agent/ and shared/ would shadow generic names.
     out = subprocess.run(
         [str(installed_wheel / "bin" / "python"), "-c", code],
-        cwd=tmp_path, check=True, capture_output=True, text=True,
+        cwd=clashing_dir, check=True, capture_output=True, text=True,
     ).stdout.splitlines()
     assert "site-packages" in out[0]
     assert {"jetson-orin", "apple-silicon", "intel-xeon", "generic-x86_64", "generic-arm64",
@@ -54,10 +74,12 @@ def test_packages_import_and_profiles_load_from_the_wheel(installed_wheel: Path,
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("script", ["mcp-bundle", "mcp-agent", "mcp-controlplane"])
-def test_console_scripts_answer_help(installed_wheel: Path, tmp_path: Path, script: str) -> None:
+def test_console_scripts_answer_help(
+    installed_wheel: Path, clashing_dir: Path, script: str
+) -> None:
     result = subprocess.run(
         [str(installed_wheel / "bin" / script), "--help"],
-        cwd=tmp_path, capture_output=True, text=True,
+        cwd=clashing_dir, capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stderr
     assert "Usage:" in result.stdout

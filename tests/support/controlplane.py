@@ -22,12 +22,12 @@ import psycopg
 from aiohttp.test_utils import TestClient, TestServer
 from psycopg import sql
 
-from controlplane.app import create_app, serve
-from controlplane.bootstrap import initialize
-from controlplane.broker.base import BrokerAdminError, Credentials
-from controlplane.settings import Settings
-from shared.protocol.enrollment import EnrollmentRequest, new_nonce, sign_enrollment
-from shared.signing import PrivateKey
+from mcp_edge.controlplane.app import create_app, serve
+from mcp_edge.controlplane.bootstrap import initialize
+from mcp_edge.controlplane.broker.base import BrokerAdminError, Credentials
+from mcp_edge.controlplane.settings import Settings
+from mcp_edge.shared.protocol.enrollment import EnrollmentRequest, new_nonce, sign_enrollment
+from mcp_edge.shared.signing import PrivateKey
 
 START = datetime(2026, 5, 1, 12, 0, tzinfo=timezone.utc)
 

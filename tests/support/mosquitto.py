@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
-from shared.netutil import free_port_below_ephemeral
+from mcp_edge.shared.netutil import free_port_below_ephemeral
 
 LOOPBACK = "127.0.0.1"
 _SBIN_DIRS = ("/usr/sbin", "/usr/local/sbin", "/sbin")

@@ -14,12 +14,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from shared.netutil import free_port_below_ephemeral
+from mcp_edge.shared.netutil import free_port_below_ephemeral
 
 REPO = Path(__file__).resolve().parents[2]
-AGENT = [sys.executable, "-m", "agent.cli"]
-CONTROLPLANE = [sys.executable, "-m", "controlplane.cli"]
-BUNDLE = [sys.executable, "-m", "shared.bundle_cli"]
+AGENT = [sys.executable, "-m", "mcp_edge.agent.cli"]
+CONTROLPLANE = [sys.executable, "-m", "mcp_edge.controlplane.cli"]
+BUNDLE = [sys.executable, "-m", "mcp_edge.shared.bundle_cli"]
 
 
 def free_port() -> int:

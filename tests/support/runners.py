@@ -11,14 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from agent.runtime.runner import (
+from mcp_edge.agent.runtime.runner import (
     Array,
     InferenceError,
     ModelRunner,
     RunnerInfo,
     TensorSpec,
 )
-from shared.protocol.inference import Datatype
+from mcp_edge.shared.protocol.inference import Datatype
 
 DOUBLER_INFO = RunnerInfo(
     backend="fake",

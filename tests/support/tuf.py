@@ -25,12 +25,12 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
-from controlplane.repository.tuf_repo import Expiry, KeyStore, TufRepository
-from shared.bundle import build_bundle, sign_bundle
-from shared.profiles import HardwareProfile, load_profiles
-from shared.protocol.state import DesiredModel, DesiredState, TargetRef, sign_desired_state
-from shared.signing import PrivateKey
-from shared.version import SemVer
+from mcp_edge.controlplane.repository.tuf_repo import Expiry, KeyStore, TufRepository
+from mcp_edge.shared.bundle import build_bundle, sign_bundle
+from mcp_edge.shared.profiles import HardwareProfile, load_profiles
+from mcp_edge.shared.protocol.state import DesiredModel, DesiredState, TargetRef, sign_desired_state
+from mcp_edge.shared.signing import PrivateKey
+from mcp_edge.shared.version import SemVer
 
 DEVICE = "dev-update-1"
 
@@ -126,11 +126,11 @@ def _kill_hook(kill_at: str | None, version: str | None) -> Any:
 
 
 async def _child(args: dict[str, Any]) -> dict[str, Any]:
-    from agent.runtime.manager import ModelManager
-    from agent.serve import runner_factory
-    from agent.update.transport_file import FileRepoTransport
-    from agent.update.updater import UpdateAgent, updates_status
-    from shared.signing import PublicKey
+    from mcp_edge.agent.runtime.manager import ModelManager
+    from mcp_edge.agent.serve import runner_factory
+    from mcp_edge.agent.update.transport_file import FileRepoTransport
+    from mcp_edge.agent.update.updater import UpdateAgent, updates_status
+    from mcp_edge.shared.signing import PublicKey
 
     profile = update_profile()
     manager = ModelManager(runner_factory(profile, workers=1, threads=1, backend=None))

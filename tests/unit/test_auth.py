@@ -7,7 +7,7 @@ import hashlib
 import pytest
 from aiohttp.test_utils import make_mocked_request
 
-from controlplane.auth import (
+from mcp_edge.controlplane.auth import (
     API_TOKEN_PREFIX,
     ENROLLMENT_TOKEN_PREFIX,
     PasswordHasher,
@@ -16,7 +16,7 @@ from controlplane.auth import (
     issue_secret,
     secret_digest,
 )
-from controlplane.settings import PasswordCost
+from mcp_edge.controlplane.settings import PasswordCost
 
 
 def test_passwords_are_argon2id_at_the_interactive_cost() -> None:

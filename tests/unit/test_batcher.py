@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from agent.runtime.batcher import (
+from mcp_edge.agent.runtime.batcher import (
     BatchingConfig,
     DeadlineExceededError,
     DynamicBatcher,

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.broker import acl
-from controlplane.broker.acl import AccountKind, Acl, AclType
-from shared.errors import TopicError
-from shared.protocol import topics
-from shared.protocol.topics import Channel, FleetInferTopic, TelemetryKind
+from mcp_edge.controlplane.broker import acl
+from mcp_edge.controlplane.broker.acl import AccountKind, Acl, AclType
+from mcp_edge.shared.errors import TopicError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.topics import Channel, FleetInferTopic, TelemetryKind
 
 ident = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", fullmatch=True)
 SUBSCRIBE = (AclType.SUBSCRIBE_PATTERN, AclType.SUBSCRIBE_LITERAL)

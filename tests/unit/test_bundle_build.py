@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from shared.bundle import (
+from mcp_edge.shared.bundle import (
     BundleManifest,
     TensorSpec,
     VariantSource,
@@ -23,9 +23,9 @@ from shared.bundle import (
     sign_bundle,
     verify_bundle,
 )
-from shared.bundle.baseline import bin_counts, compute_baseline
-from shared.errors import BundleError, ModelValidationError
-from shared.signing import PrivateKey
+from mcp_edge.shared.bundle.baseline import bin_counts, compute_baseline
+from mcp_edge.shared.errors import BundleError, ModelValidationError
+from mcp_edge.shared.signing import PrivateKey
 from tests.support.models import DigitsModels, onnx_predict
 
 CREATED = datetime(2024, 5, 1, 12, 0, 0, tzinfo=timezone.utc)

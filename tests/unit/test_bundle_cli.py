@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 
-from shared.bundle import verify_bundle
-from shared.bundle_cli import cli
-from shared.signing import read_public_key
+from mcp_edge.shared.bundle import verify_bundle
+from mcp_edge.shared.bundle_cli import cli
+from mcp_edge.shared.signing import read_public_key
 from tests.support.models import DigitsModels
 
 MODEL = "models/model.onnx"

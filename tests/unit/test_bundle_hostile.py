@@ -22,9 +22,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from shared.bundle import BundleLimits, build_bundle, open_bundle, sign_bundle, verify_bundle
-from shared.errors import BundleError, ModelValidationError
-from shared.signing import PrivateKey, canonical_json, make_signature
+from mcp_edge.shared.bundle import (
+    BundleLimits,
+    build_bundle,
+    open_bundle,
+    sign_bundle,
+    verify_bundle,
+)
+from mcp_edge.shared.errors import BundleError, ModelValidationError
+from mcp_edge.shared.signing import PrivateKey, canonical_json, make_signature
 from tests.support.models import DigitsModels
 
 MODEL = "models/model.onnx"

@@ -9,9 +9,9 @@ from pathlib import Path
 import click
 import pytest
 
-from controlplane.cli_client import parse_duration, parse_labels
-from controlplane.db import DatabaseConfigError, async_url
-from controlplane.enrollment import (
+from mcp_edge.controlplane.cli_client import parse_duration, parse_labels
+from mcp_edge.controlplane.db import DatabaseConfigError, async_url
+from mcp_edge.controlplane.enrollment import (
     Action,
     Approval,
     DeviceStatus,
@@ -21,15 +21,15 @@ from controlplane.enrollment import (
     merge_labels,
     plan,
 )
-from controlplane.settings import (
+from mcp_edge.controlplane.settings import (
     EnrollmentApproval,
     Settings,
     SettingsError,
     load_settings,
     write_config_file,
 )
-from shared.protocol.topics import validate_id
-from shared.signing import PrivateKey
+from mcp_edge.shared.protocol.topics import validate_id
+from mcp_edge.shared.signing import PrivateKey
 
 NOW = datetime(2026, 5, 1, tzinfo=timezone.utc)
 

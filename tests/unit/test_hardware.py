@@ -14,8 +14,8 @@ from click.testing import CliRunner, Result
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.cli import main as agent_main
-from agent.hardware import (
+from mcp_edge.agent.cli import main as agent_main
+from mcp_edge.agent.hardware import (
     MAX_FLAGS,
     MAX_TEXT_CHARS,
     READ_CAP_BYTES,
@@ -25,7 +25,7 @@ from agent.hardware import (
     collect_facts,
     select_profile,
 )
-from shared.profiles import HardwareProfile, load_profiles
+from mcp_edge.shared.profiles import HardwareProfile, load_profiles
 
 PACKAGES = {"onnxruntime": "1.20.0"}
 Profiles = dict[str, HardwareProfile]

@@ -12,7 +12,7 @@ import logging
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
-from controlplane.httplog import MalformedRequestLog
+from mcp_edge.controlplane.httplog import MalformedRequestLog
 
 
 class ManualClock:

@@ -8,14 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.errors import (
+from mcp_edge.shared.errors import (
     BadSignatureError,
     ExpiredError,
     MessageError,
     ReplayError,
     UnknownSignerError,
 )
-from shared.protocol import (
+from mcp_edge.shared.protocol import (
     CommandName,
     CommandRequest,
     Datatype,
@@ -46,7 +46,7 @@ from shared.protocol import (
     verify_desired_state,
     verify_enrollment,
 )
-from shared.signing import PrivateKey
+from mcp_edge.shared.signing import PrivateKey
 
 ident = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,30}", fullmatch=True)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64, min_value=0, max_value=1e12)

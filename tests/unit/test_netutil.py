@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.netutil import (
+from mcp_edge.shared.netutil import (
     DEFAULT_EPHEMERAL_RANGE,
     LOWEST_PORT,
     NoFreePortError,

@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from agent.cli import main as agent_main
-from shared.profiles import ProfileError, load_profiles, parse_profile
+from mcp_edge.agent.cli import main as agent_main
+from mcp_edge.shared.profiles import ProfileError, load_profiles, parse_profile
 
 
 def test_shipped_profiles_load_and_keep_their_promises() -> None:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from shared.recvbuffer import CHUNK, RecvBuffer
+from mcp_edge.shared.recvbuffer import CHUNK, RecvBuffer
 
 
 class Stream:

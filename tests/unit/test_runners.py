@@ -13,14 +13,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from agent.runtime.loader import (
+from mcp_edge.agent.runtime.loader import (
     available_backends,
     load_runner,
     onnx_providers,
     provider_alias,
 )
-from agent.runtime.onnx_runner import OnnxRunner
-from agent.runtime.runner import (
+from mcp_edge.agent.runtime.onnx_runner import OnnxRunner
+from mcp_edge.agent.runtime.runner import (
     BackendUnavailableError,
     InferenceError,
     InputError,
@@ -28,9 +28,9 @@ from agent.runtime.runner import (
     ModelRunner,
     TensorSpec,
 )
-from agent.runtime.tflite_runner import TFLiteRunner
-from shared.profiles import load_profiles
-from shared.protocol.inference import Datatype
+from mcp_edge.agent.runtime.tflite_runner import TFLiteRunner
+from mcp_edge.shared.profiles import load_profiles
+from mcp_edge.shared.protocol.inference import Datatype
 from tests.support.models import DigitsModels, onnx_predict, tflite_predict
 
 IN, OUT = "input", "probabilities"

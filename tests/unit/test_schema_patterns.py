@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from controlplane.api.schemas import LABEL_FILTER_PATTERN, LabelFilter
-from shared.errors import ProtocolError
-from shared.protocol.base import (
+from mcp_edge.controlplane.api.schemas import LABEL_FILTER_PATTERN, LabelFilter
+from mcp_edge.shared.errors import ProtocolError
+from mcp_edge.shared.protocol.base import (
     IDENTIFIER_PATTERN,
     LABEL_KEY_PATTERN,
     LABEL_VALUE_PATTERN,

@@ -7,14 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.errors import (
+from mcp_edge.shared.errors import (
     BadSignatureError,
     KeyFileError,
     MalformedSignatureError,
     UnknownSignerError,
     WrongKeyError,
 )
-from shared.signing import (
+from mcp_edge.shared.signing import (
     PrivateKey,
     PublicKey,
     canonical_json,

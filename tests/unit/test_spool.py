@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.fleet.spool import Spool, SpoolError, SpoolKind
+from mcp_edge.agent.fleet.spool import Spool, SpoolError, SpoolKind
 
 
 def _payload(i: int, size: int = 10) -> bytes:

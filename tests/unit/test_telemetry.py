@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.fleet.telemetry import (
+from mcp_edge.agent.fleet.telemetry import (
     HealthCollector,
     InferenceStatsCollector,
     Outcome,
@@ -21,7 +21,7 @@ from agent.fleet.telemetry import (
     TegrastatsReader,
     parse_tegrastats_line,
 )
-from shared.protocol import HealthSample, InferenceStats, decode, encode
+from mcp_edge.shared.protocol import HealthSample, InferenceStats, decode, encode
 
 # Lines as boards print them (from public logs of real devices).
 ORIN_AGX = (

@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from agent.runtime.runner import InputError, TensorSpec
-from agent.tensor_io import _fast_feeds, decode_feeds, encode_response, tensors_to_feeds
-from shared.errors import MessageError
-from shared.protocol import InferRequest, validate
-from shared.protocol.inference import Datatype
+from mcp_edge.agent.runtime.runner import InputError, TensorSpec
+from mcp_edge.agent.tensor_io import _fast_feeds, decode_feeds, encode_response, tensors_to_feeds
+from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.protocol import InferRequest, validate
+from mcp_edge.shared.protocol.inference import Datatype
 
 F32 = (TensorSpec("input", Datatype.FP32, (-1, 4)),)
 F16 = (TensorSpec("input", Datatype.FP16, (-1, 2)),)

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.errors import TopicError
-from shared.protocol import topics
-from shared.protocol.topics import Channel, DeviceTopic, TelemetryKind
+from mcp_edge.shared.errors import TopicError
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.topics import Channel, DeviceTopic, TelemetryKind
 
 ident = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", fullmatch=True)
 bad_ident = st.one_of(

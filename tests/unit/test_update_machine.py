@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.update.machine import (
+from mcp_edge.agent.update.machine import (
     TERMINAL,
     TRANSITIONS,
     WORKING,

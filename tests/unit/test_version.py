@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.errors import VersionError
-from shared.version import SemVer
+from mcp_edge.shared.errors import VersionError
+from mcp_edge.shared.version import SemVer
 
 
 @pytest.mark.parametrize(

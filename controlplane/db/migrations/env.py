@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from controlplane.db.models import Base
+from mcp_edge.controlplane.db.models import Base
 
 config = context.config
 connection = config.attributes.get("connection")
