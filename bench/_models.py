@@ -1,6 +1,6 @@
 """Bench models, made at run time with no downloads.
 
-* ``digits``: the scikit-learn digits MLP from ``tests/support/models.py`` (``input`` [N, 64]
+* ``digits``: the scikit-learn digits MLP from ``mcp_edge.tooling.models`` (``input`` [N, 64]
   FP32 -> ``probabilities`` [N, 10]), and real held-out digits as request data.
 * ``convnet``: a small conv net built with ``onnx.helper`` (``input`` [N, 1, 28, 28] FP32 ->
   Conv 3x3 x8 -> Relu -> MaxPool 2x2 -> Conv 3x3 x16 -> Relu -> GlobalAveragePool -> Flatten
@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,9 +35,7 @@ class BenchModel:
 
 def make_digits(directory: Path, seed: int = 0) -> BenchModel:
     """Train the digits MLP (a few seconds) and write ``digits.onnx`` into ``directory``."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from tests.support.models import train_digits_mlp, write_digits_onnx
+    from mcp_edge.tooling.models import train_digits_mlp, write_digits_onnx
 
     mlp = train_digits_mlp(seed=seed)
     path = write_digits_onnx(mlp.model, Path(directory) / "digits.onnx")

@@ -59,7 +59,7 @@ from local_inference import (  # noqa: E402
     wait_quiet,
 )
 
-from tests.support.mosquitto import MosquittoBroker  # noqa: E402
+from mcp_edge.tooling.mosquitto import MosquittoBroker  # noqa: E402
 
 POSTGRES_URL_ENV = "MCP_TEST_POSTGRES_URL"
 READY_TIMEOUT_S = 60.0
@@ -667,7 +667,7 @@ def _versions() -> dict[str, str]:
         except PackageNotFoundError:
             found[dist] = "not installed"
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        from tests.support.mosquitto import find_executable
+        from mcp_edge.tooling.mosquitto import find_executable
 
         out = subprocess.run(
             [str(find_executable("mosquitto")), "-h"], capture_output=True, timeout=10, check=False
@@ -691,7 +691,7 @@ def run(plan: Plan, max_queued: int) -> dict[str, Any]:
         },
         "versions": _versions(),
         "broker": {
-            "config": "tests/support/mosquitto.py MosquittoBroker: anonymous, set_tcp_nodelay "
+            "config": "mcp_edge.tooling.mosquitto MosquittoBroker: anonymous, set_tcp_nodelay "
             "true, persistence false, 127.0.0.1",
             "inference": "no extra config (Mosquitto defaults)",
             "telemetry": {

@@ -52,7 +52,7 @@ from mcp_edge.agent.fleet.mqtt import MqttClient, MqttSettings, Subscription  # 
 from mcp_edge.agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig  # noqa: E402
 from mcp_edge.controlplane.repository.tuf_repo import KeyStore, TufRepository  # noqa: E402
 from mcp_edge.shared.protocol import topics  # noqa: E402
-from tests.support.mosquitto import MosquittoBroker  # noqa: E402
+from mcp_edge.tooling.mosquitto import MosquittoBroker  # noqa: E402
 
 TARGET = "bench/1.0.0/bench-1.0.0.mcpb"
 DEVICE = "bench-dev"

@@ -32,17 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from mcp_edge.shared.netutil import free_port_below_ephemeral  # noqa: E402
-from tests.support.models import train_digits_mlp, write_digits_onnx  # noqa: E402
-from tests.support.mosquitto import (  # noqa: E402
+from mcp_edge.shared.netutil import free_port_below_ephemeral
+from mcp_edge.tooling.models import train_digits_mlp, write_digits_onnx
+from mcp_edge.tooling.mosquitto import (
     MosquittoError,
     find_dynsec_plugin,
     find_executable,
 )
-from tests.support.processes import Client, http_json  # noqa: E402
+from mcp_edge.tooling.processes import Client, http_json
+
+REPO = Path(__file__).resolve().parents[1]
 
 HOST = "127.0.0.1"
 DEVICES = ("cam-1", "cam-2")

@@ -23,7 +23,7 @@ from mcp_edge.shared.signing import (
     write_private_key,
     write_public_key,
 )
-from tests.support.models import train_digits_mlp, write_digits_onnx
+from mcp_edge.tooling.models import train_digits_mlp, write_digits_onnx
 
 LABELS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 

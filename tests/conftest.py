@@ -16,8 +16,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from tests.support.models import DigitsModels, make_digits_models
-from tests.support.mosquitto import DynsecMosquittoBroker, MosquittoBroker
+from mcp_edge.tooling.models import DigitsModels, make_digits_models
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker, MosquittoBroker
 
 POSTGRES_URL_ENV = "MCP_TEST_POSTGRES_URL"
 

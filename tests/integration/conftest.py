@@ -27,8 +27,8 @@ import pytest
 from paho.mqtt.reasoncodes import ReasonCode
 
 from mcp_edge.controlplane.broker.base import Credentials
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker, MosquittoBroker, find_executable
 from tests.support.controlplane import reset_postgres
-from tests.support.mosquitto import DynsecMosquittoBroker, MosquittoBroker, find_executable
 
 TIMEOUT_S = 10.0
 ACL_KINDS = ("publishClientSend", "publishClientReceive", "subscribe", "unsubscribe")

@@ -25,7 +25,7 @@ from mcp_edge.agent.runtime.runner import ModelRunner
 from mcp_edge.shared.bundle import build_bundle, sign_bundle
 from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.signing import PrivateKey
-from tests.support.models import DigitsModels, make_digits_models, onnx_predict
+from mcp_edge.tooling.models import DigitsModels, make_digits_models, onnx_predict
 from tests.support.runners import DoublingRunner, FailingAfterWarmup
 
 PROFILE = load_profiles()["generic-x86_64"]

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.models import DigitsModels
-from tests.support.processes import free_port
+from mcp_edge.tooling.models import DigitsModels
+from mcp_edge.tooling.processes import free_port
 
 AGENT = [sys.executable, "-m", "mcp_edge.agent.cli"]
 

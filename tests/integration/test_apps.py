@@ -30,6 +30,7 @@ from mcp_edge.controlplane.settings import PasswordCost, Settings
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.topics import FleetInferTopic
 from mcp_edge.shared.signing import PrivateKey
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
 from tests.integration.conftest import MqttProbe, ProbeFactory
 from tests.support.controlplane import (
     ADMIN_PASSWORD,
@@ -39,7 +40,6 @@ from tests.support.controlplane import (
     served,
     start_control_plane,
 )
-from tests.support.mosquitto import DynsecMosquittoBroker
 
 BROKER_URL = "mqtt://broker.test:1883"
 NOT_AUTHORIZED = "Not authorized"

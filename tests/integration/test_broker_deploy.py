@@ -14,8 +14,8 @@ import pytest
 
 from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
 from mcp_edge.shared.protocol import topics
+from mcp_edge.tooling.mosquitto import MosquittoBroker, find_dynsec_plugin
 from tests.integration.conftest import ProbeFactory
-from tests.support.mosquitto import MosquittoBroker, find_dynsec_plugin
 
 pytestmark = pytest.mark.mosquitto
 

@@ -27,8 +27,8 @@ from mcp_edge.controlplane.broker.base import BrokerAdminError, Credentials
 from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.topics import Channel, FleetInferTopic, TelemetryKind
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker, free_loopback_port
 from tests.integration.conftest import MqttProbe, ProbeFactory, dynsec_request
-from tests.support.mosquitto import DynsecMosquittoBroker, free_loopback_port
 
 pytestmark = pytest.mark.mosquitto
 

@@ -19,8 +19,8 @@ from paho.mqtt.properties import Properties
 
 from mcp_edge.controlplane.broker.base import Credentials
 from mcp_edge.controlplane.mqtt import BrokerAddress, MqttError, MqttSubscriber, ReceivedMessage
+from mcp_edge.tooling.mosquitto import MosquittoBroker
 from tests.integration.conftest import MqttProbe, ProbeFactory
-from tests.support.mosquitto import MosquittoBroker
 
 DEADLINE_S = 20.0
 MIXED = (0, 1, 37, 250, 4_000, 70_000, 131_072, 9)  # 70_000 and 131_072 exceed one 64 KiB read

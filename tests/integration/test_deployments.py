@@ -51,6 +51,7 @@ from mcp_edge.shared.protocol.state import (
 )
 from mcp_edge.shared.signing import PrivateKey, PublicKey
 from mcp_edge.shared.version import parse_version
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
 from tests.integration.conftest import MqttProbe
 from tests.support.controlplane import (
     START,
@@ -60,7 +61,6 @@ from tests.support.controlplane import (
     envelope,
     served,
 )
-from tests.support.mosquitto import DynsecMosquittoBroker
 
 DEADLINE_S = 30.0
 ADMIN_PASSWORD = "correct horse battery"

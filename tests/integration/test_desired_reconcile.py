@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from mcp_edge.shared.protocol import topics
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker, MosquittoError
 from tests.integration.conftest import ACL_KINDS, MqttProbe, set_default_acl_access
 from tests.integration.test_deployments import (
     Fleet,
@@ -27,7 +28,6 @@ from tests.integration.test_deployments import (
     publish_versions,
     until,
 )
-from tests.support.mosquitto import DynsecMosquittoBroker, MosquittoError
 
 pytestmark = pytest.mark.mosquitto
 

@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.support.models import DigitsModels
-from tests.support.mosquitto import DynsecMosquittoBroker
-from tests.support.processes import (
+from mcp_edge.tooling.models import DigitsModels
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
+from mcp_edge.tooling.processes import (
     AGENT,
     BUNDLE,
     CONTROLPLANE,

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from mcp_edge.agent.fleet.client import InferenceClient
-from tests.support.models import DigitsModels
-from tests.support.mosquitto import DynsecMosquittoBroker
-from tests.support.processes import (
+from mcp_edge.tooling.models import DigitsModels
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
+from mcp_edge.tooling.processes import (
     AGENT,
     CONTROLPLANE,
     REPO,

@@ -50,8 +50,8 @@ from mcp_edge.shared.protocol import (
     verify_desired_state,
 )
 from mcp_edge.shared.signing import PrivateKey, sign_document
-from tests.support.models import DigitsModels
-from tests.support.mosquitto import MosquittoBroker
+from mcp_edge.tooling.models import DigitsModels
+from mcp_edge.tooling.mosquitto import MosquittoBroker
 
 pytestmark = pytest.mark.mosquitto
 PROFILE = load_profiles()["generic-x86_64"]

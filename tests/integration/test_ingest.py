@@ -33,9 +33,9 @@ from mcp_edge.controlplane.settings import PasswordCost, Settings
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.topics import TelemetryKind
 from mcp_edge.shared.signing import PrivateKey
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
 from tests.integration.conftest import MqttProbe
 from tests.support.controlplane import ControlPlane, FakeClock
-from tests.support.mosquitto import DynsecMosquittoBroker
 
 DEADLINE_S = 15.0
 ADMIN_PASSWORD = "correct horse battery"

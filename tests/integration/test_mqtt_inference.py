@@ -30,8 +30,8 @@ from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
 from mcp_edge.agent.runtime.runner import ModelRunner
 from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.protocol import ErrorCode, topics
-from tests.support.models import DigitsModels, onnx_predict
-from tests.support.mosquitto import MosquittoBroker
+from mcp_edge.tooling.models import DigitsModels, onnx_predict
+from mcp_edge.tooling.mosquitto import MosquittoBroker
 from tests.support.runners import DoublingRunner
 
 pytestmark = pytest.mark.mosquitto

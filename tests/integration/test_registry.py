@@ -32,6 +32,7 @@ from mcp_edge.controlplane.settings import PasswordCost, Settings, SettingsError
 from mcp_edge.shared.bundle import build_bundle, sign_bundle
 from mcp_edge.shared.bundle_cli import cli as bundle_cli
 from mcp_edge.shared.signing import PrivateKey, write_public_key
+from mcp_edge.tooling.models import DigitsModels
 from tests.support.controlplane import (
     ADMIN_PASSWORD,
     ControlPlane,
@@ -40,7 +41,6 @@ from tests.support.controlplane import (
     served,
     start_control_plane,
 )
-from tests.support.models import DigitsModels
 
 TARGET = "digits/1.0.0/digits-1.0.0.mcpb"
 

@@ -36,7 +36,7 @@ from mcp_edge.controlplane.repository.mqtt_service import RepoConnection, RepoMq
 from mcp_edge.controlplane.repository.tuf_repo import KeyStore, TufRepository
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.repo import RepoReply, RepoStatus
-from tests.support.mosquitto import MosquittoBroker
+from mcp_edge.tooling.mosquitto import MosquittoBroker
 
 DEVICE = "dev-repo-1"
 TARGET = "digits/1.0.0/digits-1.0.0.mcpb"

@@ -17,8 +17,8 @@ import psycopg
 import pytest
 from ai_edge_litert.interpreter import Interpreter
 
-from tests.support.models import DigitsModels, onnx_predict, tflite_predict
-from tests.support.mosquitto import DynsecMosquittoBroker, MosquittoBroker
+from mcp_edge.tooling.models import DigitsModels, onnx_predict, tflite_predict
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker, MosquittoBroker
 
 TIMEOUT_S = 10.0
 DYNSEC_COMMAND_TOPIC = "$CONTROL/dynamic-security/v1"

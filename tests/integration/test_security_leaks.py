@@ -30,6 +30,7 @@ from mcp_edge.controlplane.db import registry as registry_q
 from mcp_edge.controlplane.settings import PasswordCost, Settings
 from mcp_edge.shared.protocol.enrollment import EnrollmentRequest, new_nonce
 from mcp_edge.shared.signing import PrivateKey, key_id, sign_document
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
 from tests.support.controlplane import (
     START,
     ControlPlane,
@@ -38,7 +39,6 @@ from tests.support.controlplane import (
     served,
     start_control_plane,
 )
-from tests.support.mosquitto import DynsecMosquittoBroker
 
 SOCKET_TIMEOUT_S = 10.0
 

@@ -21,7 +21,7 @@ from mcp_edge.agent.fleet.mqtt import MqttClient, MqttConnectError, MqttSettings
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool
 from mcp_edge.shared.netutil import ephemeral_port_range, free_port_below_ephemeral
-from tests.support.mosquitto import LOOPBACK, MosquittoBroker
+from mcp_edge.tooling.mosquitto import LOOPBACK, MosquittoBroker
 
 pytestmark = pytest.mark.mosquitto
 

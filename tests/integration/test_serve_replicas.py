@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import dynsec_request
-from tests.support.models import DigitsModels
-from tests.support.mosquitto import DynsecMosquittoBroker
-from tests.support.processes import (
+from mcp_edge.tooling.models import DigitsModels
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
+from mcp_edge.tooling.processes import (
     AGENT,
     CONTROLPLANE,
     REPO,
@@ -28,6 +27,7 @@ from tests.support.processes import (
     stopped_at_exit,
     wait_until,
 )
+from tests.integration.conftest import dynsec_request
 
 pytestmark = pytest.mark.mosquitto
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

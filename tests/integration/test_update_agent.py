@@ -50,8 +50,8 @@ from mcp_edge.shared.protocol.state import (
     TargetRef,
 )
 from mcp_edge.shared.signing import PrivateKey
-from tests.support.models import DigitsModels, onnx_predict
-from tests.support.mosquitto import MosquittoBroker
+from mcp_edge.tooling.models import DigitsModels, onnx_predict
+from mcp_edge.tooling.mosquitto import MosquittoBroker
 from tests.support.tuf import DEVICE, SignedRepo, make_bundle, update_profile
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ from mcp_edge.shared.bundle import (
 from mcp_edge.shared.bundle.baseline import bin_counts, compute_baseline
 from mcp_edge.shared.errors import BundleError, ModelValidationError
 from mcp_edge.shared.signing import PrivateKey
-from tests.support.models import DigitsModels, onnx_predict
+from mcp_edge.tooling.models import DigitsModels, onnx_predict
 
 CREATED = datetime(2024, 5, 1, 12, 0, 0, tzinfo=timezone.utc)
 DIGITS_IN = (TensorSpec(name="input", datatype="FP32", shape=(-1, 64)),)

@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 from mcp_edge.shared.bundle import verify_bundle
 from mcp_edge.shared.bundle_cli import cli
 from mcp_edge.shared.signing import read_public_key
-from tests.support.models import DigitsModels
+from mcp_edge.tooling.models import DigitsModels
 
 MODEL = "models/model.onnx"
 

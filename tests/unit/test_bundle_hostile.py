@@ -31,7 +31,7 @@ from mcp_edge.shared.bundle import (
 )
 from mcp_edge.shared.errors import BundleError, ModelValidationError
 from mcp_edge.shared.signing import PrivateKey, canonical_json, make_signature
-from tests.support.models import DigitsModels
+from mcp_edge.tooling.models import DigitsModels
 
 MODEL = "models/model.onnx"
 ABSOLUTE_TARGET = "/tmp/mcpb-hostile-absolute-escape"

@@ -31,7 +31,7 @@ from mcp_edge.agent.runtime.runner import (
 from mcp_edge.agent.runtime.tflite_runner import TFLiteRunner
 from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.protocol.inference import Datatype
-from tests.support.models import DigitsModels, onnx_predict, tflite_predict
+from mcp_edge.tooling.models import DigitsModels, onnx_predict, tflite_predict
 
 IN, OUT = "input", "probabilities"
 BACKENDS = ["onnxruntime", "tflite"]

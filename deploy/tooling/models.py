@@ -253,7 +253,7 @@ def write_digits_tflite(mlp: MLPClassifier, path: Path) -> Path:
 
     model = schema.ModelT()
     model.version = 3
-    model.description = "digits MLP written by tests/support/models.py"
+    model.description = "digits MLP written by mcp_edge.tooling.models"
     model.operatorCodes = [
         opcode(schema.BuiltinOperator.FULLY_CONNECTED),
         opcode(schema.BuiltinOperator.SOFTMAX),

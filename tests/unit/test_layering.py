@@ -1,0 +1,47 @@
+"""Who may import whom, checked on the source: the product never imports the tests or the
+tooling, and the tooling never reaches into the tests."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PRODUCT = ("agent", "controlplane", "shared", "firmware_profiles")
+TOOLING = "deploy/tooling"
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module name ``path`` imports (absolute imports only; the tree uses no others)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def sources(*folders: str) -> list[Path]:
+    files = [p for f in folders for p in sorted((REPO / f).rglob("*.py"))]
+    assert files, folders
+    return files
+
+
+def test_no_product_or_tooling_module_imports_the_tests() -> None:
+    offenders = {
+        str(p.relative_to(REPO)): sorted(n for n in imports_of(p) if n.split(".")[0] == "tests")
+        for p in sources(*PRODUCT, TOOLING, "bench")
+    } | {"deploy/demo.py": sorted(n for n in imports_of(REPO / "deploy/demo.py")
+                                  if n.split(".")[0] == "tests")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_product_never_imports_the_tooling() -> None:
+    offenders = {
+        str(p.relative_to(REPO)): sorted(n for n in imports_of(p)
+                                         if n.startswith("mcp_edge.tooling"))
+        for p in sources(*PRODUCT)
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
