@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -44,7 +44,13 @@ def _reason(error: HttpProcessingError) -> str:
     return printable[:MAX_REASON_CHARS] or type(error).__name__
 
 
-class MalformedRequestLog(logging.LoggerAdapter):
+if TYPE_CHECKING:
+    _Adapter = logging.LoggerAdapter[logging.Logger]
+else:  # subscriptable at run time only from Python 3.11
+    _Adapter = logging.LoggerAdapter
+
+
+class MalformedRequestLog(_Adapter):
     """A logger for aiohttp's ``RequestHandler`` that reports unparsable requests briefly.
 
     ``interval_s`` (seconds) is the shortest time between two such lines; ``clock`` gives

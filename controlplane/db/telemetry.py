@@ -10,11 +10,12 @@ Deployment events are inserted with the dialect's ``INSERT ... ON CONFLICT DO NO
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Integer, cast, delete, func, select, update
+from sqlalchemy import ColumnElement, Integer, Table, cast, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from mcp_edge.controlplane.db.engine import Tx
@@ -28,11 +29,15 @@ from mcp_edge.controlplane.db.models import (
 
 Row = Mapping[str, Any]
 DOWNSAMPLE_BUCKET_S = 300
+# The Core tables behind the ORM classes (executemany inserts and bulk updates use them).
+HEALTH = typing.cast(Table, HealthSampleRow.__table__)
+INFERENCE = typing.cast(Table, InferenceStatsRow.__table__)
+DEVICES = typing.cast(Table, Device.__table__)
 
 
 def _dialect_insert(tx: Tx, table: Any) -> Any:
     """The dialect-specific ``insert`` (both offer ``on_conflict_do_*``)."""
-    if tx.bind.dialect.name == "sqlite":
+    if tx.get_bind().dialect.name == "sqlite":
         return sqlite.insert(table)
     return postgresql.insert(table)
 
@@ -50,14 +55,14 @@ async def accepted_among(tx: Tx, device_ids: Collection[str]) -> set[str]:
 async def insert_health(tx: Tx, rows: Sequence[Row]) -> int:
     """Insert health samples (one executemany); return how many."""
     if rows:
-        await tx.execute(HealthSampleRow.__table__.insert(), list(rows))
+        await tx.execute(insert(HEALTH), list(rows))
     return len(rows)
 
 
 async def insert_inference(tx: Tx, rows: Sequence[Row]) -> int:
     """Insert inference-statistics rows (one executemany); return how many."""
     if rows:
-        await tx.execute(InferenceStatsRow.__table__.insert(), list(rows))
+        await tx.execute(insert(INFERENCE), list(rows))
     return len(rows)
 
 
@@ -96,7 +101,7 @@ async def mark_seen(
 
     Three statements at most, whatever the number of devices.
     """
-    table = Device.__table__
+    table = DEVICES
     if seen:
         await tx.execute(update(table).where(table.c.id.in_(list(seen))).values(last_seen_at=now))
     if online:
@@ -129,7 +134,7 @@ async def list_events(tx: Tx, device_id: str, after_seq: int, limit: int) -> lis
 
 def _bucket(tx: Tx, ts: Any) -> ColumnElement[Any]:
     """``ts`` as a whole number of :data:`DOWNSAMPLE_BUCKET_S` periods since the epoch."""
-    if tx.bind.dialect.name == "sqlite":
+    if tx.get_bind().dialect.name == "sqlite":
         seconds = cast(func.strftime("%s", ts), Integer)
         return seconds // DOWNSAMPLE_BUCKET_S
     return func.floor(func.extract("epoch", ts) / DOWNSAMPLE_BUCKET_S)
@@ -144,7 +149,7 @@ async def expire_telemetry(
 
     Deployment events are the flight recorder and are kept.
     """
-    h, s = HealthSampleRow.__table__, InferenceStatsRow.__table__
+    h, s = HEALTH, INFERENCE
     expire_before = now - retention
     expired = await tx.execute(delete(h).where(h.c.ts < expire_before))
     await tx.execute(delete(s).where(s.c.ts < expire_before))

@@ -165,7 +165,7 @@ def _aligned_buffer(data: bytes) -> Any:
     """A schema `BufferT` whose bytes start on a 16-byte boundary of the finished file."""
     from ai_edge_litert import schema_py_generated as schema
 
-    class AlignedBufferT(schema.BufferT):
+    class AlignedBufferT(schema.BufferT):  # type: ignore[misc]  # generated code, untyped
         def Pack(self, builder: flatbuffers.Builder) -> int:
             builder.StartVector(1, len(data), _TFLITE_BUFFER_ALIGNMENT)
             builder.head -= len(data)
