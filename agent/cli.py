@@ -12,7 +12,7 @@ from mcp_edge.agent import __version__
 from mcp_edge.agent.enroll_cli import enroll_command
 from mcp_edge.agent.fleet.cli import infer_command
 from mcp_edge.agent.run import run_command
-from mcp_edge.agent.serve import serve_command
+from mcp_edge.agent.serving.serve import serve_command
 from mcp_edge.agent.update.cli import updates_command
 from mcp_edge.shared.profiles import HardwareProfile, load_profiles
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from mcp_edge.agent.serve import default_state_dir
+from mcp_edge.agent.serving.serve import default_state_dir
 from mcp_edge.shared.errors import McpError
 
 

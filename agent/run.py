@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import click
 
 from mcp_edge.agent.runtime.manager import ModelManager
-from mcp_edge.agent.serve import Attach
+from mcp_edge.agent.serving.serve import Attach
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.profiles import HardwareProfile
 
@@ -67,7 +67,7 @@ def fleet_attachment(
     repo_url: str | None = None,
     max_reply_bytes: int | None = None,
 ) -> Attach:
-    """The ``attach`` hook for :func:`agent.serve.run_server` that runs the fleet session."""
+    """The ``attach`` hook for :func:`agent.serving.serve.run_server` that runs the fleet session."""
     # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
     from mcp_edge.agent.identity import IdentityError, load_enrollment
     from mcp_edge.shared.protocol.enrollment import EnrollmentStatus
@@ -193,7 +193,7 @@ def run_command(
       mcp-agent run                       # models come from the control plane
       mcp-agent run --model-path ./models # plus local ones
     """
-    from mcp_edge.agent.serve import (
+    from mcp_edge.agent.serving.serve import (
         ServeConfig,
         configure_logging,
         default_state_dir,

@@ -147,7 +147,7 @@ async def _agent_main(args: argparse.Namespace) -> None:
     from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
     from mcp_edge.agent.fleet.spool import Spool
     from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
-    from mcp_edge.agent.serve import choose_profile, runner_factory
+    from mcp_edge.agent.serving.serve import choose_profile, runner_factory
 
     profile, _ = choose_profile(None)
     manager = ModelManager(runner_factory(profile, workers=1, threads=None, backend=None))
@@ -178,7 +178,7 @@ async def _agent_main(args: argparse.Namespace) -> None:
 
 
 def role_agent(args: argparse.Namespace) -> None:
-    from mcp_edge.agent.serve import _install_event_loop
+    from mcp_edge.agent.serving.serve import _install_event_loop
 
     _install_event_loop()
     asyncio.run(_agent_main(args))
@@ -231,7 +231,7 @@ async def _rtt_main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def role_rtt(args: argparse.Namespace) -> None:
-    from mcp_edge.agent.serve import _install_event_loop
+    from mcp_edge.agent.serving.serve import _install_event_loop
 
     _install_event_loop()
     _emit(asyncio.run(_rtt_main(args)))

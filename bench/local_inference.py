@@ -104,7 +104,7 @@ def _which(name: str) -> str | None:
 # ---------------------------------------------------------------------------- onnxruntime floor
 def profile_session_settings() -> dict[str, Any]:
     """The onnxruntime settings the agent's hardware profile gives on this box."""
-    from mcp_edge.agent.serve import choose_profile
+    from mcp_edge.agent.serving.serve import choose_profile
 
     profile, _ = choose_profile(None)
     rt = profile.runtime

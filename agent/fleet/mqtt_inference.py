@@ -34,11 +34,11 @@ from typing import Any
 from mcp_edge.agent.fleet.metrics import FleetMetrics
 from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
 from mcp_edge.agent.fleet.telemetry import InferenceStatsCollector, Outcome
-from mcp_edge.agent.http_api import ApiError, classify
 from mcp_edge.agent.runtime.batcher import Priority
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager
 from mcp_edge.agent.runtime.runner import Array
-from mcp_edge.agent.tensor_io import decode_feeds, encode_response, output_names
+from mcp_edge.agent.serving.http_api import ApiError, classify
+from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
 from mcp_edge.shared.errors import MessageError, TopicError
 from mcp_edge.shared.protocol import (
     ErrorCode,

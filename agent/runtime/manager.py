@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mcp_edge.agent.metrics import AgentMetrics
 from mcp_edge.agent.runtime.batcher import (
     BatcherClosedError,
     BatchingConfig,
@@ -46,6 +45,7 @@ from mcp_edge.agent.runtime.runner import (
     RunnerError,
     RunnerInfo,
 )
+from mcp_edge.agent.serving.metrics import AgentMetrics
 
 log = logging.getLogger("mcp.agent.runtime")
 

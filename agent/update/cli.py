@@ -19,7 +19,7 @@ def updates_command(state_dir: Path | None, as_json: bool) -> None:
     Example:
       mcp-agent updates --state-dir /var/lib/mcp-agent
     """
-    from mcp_edge.agent.serve import default_state_dir
+    from mcp_edge.agent.serving.serve import default_state_dir
     from mcp_edge.agent.update.store import ModelStore
     from mcp_edge.agent.update.updater import updates_status
 

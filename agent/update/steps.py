@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from tuf.api import exceptions as tuf_errors
 from tuf.api.metadata import TargetFile  # type: ignore[attr-defined]  # re-exported
 
-from mcp_edge.agent.repository import bundle_source, pick_variant
 from mcp_edge.agent.runtime.checks import check_outputs, synthetic_inputs
 from mcp_edge.agent.runtime.manager import ModelManager, ModelNotFoundError, ModelSource
 from mcp_edge.agent.runtime.runner import RunnerError
+from mcp_edge.agent.serving.model_dir import bundle_source, pick_variant
 from mcp_edge.agent.update.machine import (
     Cause,
     Phase,

@@ -16,12 +16,12 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from PIL import Image
 
-from mcp_edge.agent.http_api import build_app
-from mcp_edge.agent.repository import ModelRepository, RepositoryWatcher
 from mcp_edge.agent.runtime.batcher import BatchingConfig
 from mcp_edge.agent.runtime.loader import load_runner
 from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
 from mcp_edge.agent.runtime.runner import ModelRunner
+from mcp_edge.agent.serving.http_api import build_app
+from mcp_edge.agent.serving.model_dir import ModelDirectory, ModelDirectoryWatcher
 from mcp_edge.shared.bundle import build_bundle, sign_bundle
 from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.signing import PrivateKey
@@ -53,20 +53,20 @@ def other_digits(tmp_path_factory: pytest.TempPathFactory) -> DigitsModels:
 
 @pytest.fixture
 async def serve(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    """Start the agent app on a model path; returns (client, manager, repo, known files)."""
+    """Start the agent app on a model path; returns (client, manager, model dir, known files)."""
     started: list[tuple[TestClient, ModelManager]] = []
 
     async def start(model_path: Path, *, factory: Any = real_factory,
                     batching: BatchingConfig | None = None, trusted: Sequence[Any] = (),
-                    max_body: int = 8 * 1024 * 1024) -> tuple[TestClient, ModelManager, ModelRepository, Any]:
+                    max_body: int = 8 * 1024 * 1024) -> tuple[TestClient, ModelManager, ModelDirectory, Any]:
         manager = ModelManager(factory, batching=batching or BatchingConfig())
-        repo = ModelRepository(model_path, state_dir=tmp_path / "state", profile=PROFILE,
-                               trusted_keys=trusted)
-        known = await repo.load_all(manager)
+        model_dir = ModelDirectory(model_path, state_dir=tmp_path / "state", profile=PROFILE,
+                                   trusted_keys=trusted)
+        known = await model_dir.load_all(manager)
         client = TestClient(TestServer(build_app(manager, max_body=max_body)))
         await client.start_server()
         started.append((client, manager))
-        return client, manager, repo, known
+        return client, manager, model_dir, known
 
     yield start
     for client, manager in started:
@@ -153,8 +153,8 @@ async def test_hot_swap_under_load_drops_nothing_and_switches_versions(
     models.mkdir()
     target = models / "digits.onnx"
     shutil.copy(digits.onnx_path, target)
-    client, manager, repo, known = await serve(models)
-    watcher = RepositoryWatcher(repo, manager, known, interval_s=3600)
+    client, manager, model_dir, known = await serve(models)
+    watcher = ModelDirectoryWatcher(model_dir, manager, known, interval_s=3600)
     x = digits.X_test[:4].astype(np.float32)
     failures: list[str] = []
     versions: list[int] = []
@@ -197,8 +197,8 @@ async def test_broken_replacement_keeps_the_old_version_serving(
     models.mkdir()
     target = models / "digits.onnx"
     shutil.copy(digits.onnx_path, target)
-    client, manager, repo, known = await serve(models)
-    watcher = RepositoryWatcher(repo, manager, known, interval_s=3600)
+    client, manager, model_dir, known = await serve(models)
+    watcher = ModelDirectoryWatcher(model_dir, manager, known, interval_s=3600)
     target.write_bytes(b"not an onnx model")
     await watcher.poll()
     await watcher.poll()

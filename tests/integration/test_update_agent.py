@@ -27,7 +27,7 @@ from tuf.api.exceptions import DownloadError
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool
 from mcp_edge.agent.runtime.manager import ModelManager
-from mcp_edge.agent.serve import runner_factory
+from mcp_edge.agent.serving.serve import runner_factory
 from mcp_edge.agent.update.machine import Cause, Phase
 from mcp_edge.agent.update.steps import RetryPolicy
 from mcp_edge.agent.update.store import DiskUsage

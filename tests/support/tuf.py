@@ -127,7 +127,7 @@ def _kill_hook(kill_at: str | None, version: str | None) -> Any:
 
 async def _child(args: dict[str, Any]) -> dict[str, Any]:
     from mcp_edge.agent.runtime.manager import ModelManager
-    from mcp_edge.agent.serve import runner_factory
+    from mcp_edge.agent.serving.serve import runner_factory
     from mcp_edge.agent.update.transport_file import FileRepoTransport
     from mcp_edge.agent.update.updater import UpdateAgent, updates_status
     from mcp_edge.shared.signing import PublicKey

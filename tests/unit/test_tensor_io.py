@@ -1,6 +1,6 @@
 """The fast request decoder accepts exactly what full validation accepts, with the same arrays.
 
-Every body here goes through :func:`agent.tensor_io.decode_feeds` (fast path first) and through
+Every body here goes through :func:`agent.serving.tensor_io.decode_feeds` (fast path first) and through
 full schema validation + :func:`tensors_to_feeds`; the outcomes must agree: the same arrays
 (values, dtype, shape) or a refusal. Removing a check from the fast path makes a case here fail.
 """
@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from mcp_edge.agent.runtime.runner import InputError, TensorSpec
-from mcp_edge.agent.tensor_io import _fast_feeds, decode_feeds, encode_response, tensors_to_feeds
+from mcp_edge.agent.serving.tensor_io import (
+    _fast_feeds,
+    decode_feeds,
+    encode_response,
+    tensors_to_feeds,
+)
 from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.protocol import InferRequest, validate
 from mcp_edge.shared.protocol.inference import Datatype

@@ -17,7 +17,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from mcp_edge.agent.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
+from mcp_edge.agent.serving.loop_metrics import LoopCounter, LoopGauge, LoopHistogram
 
 LATENCY_BUCKETS = (
     0.0002,

@@ -27,8 +27,6 @@ import orjson
 from aiohttp import web
 
 from mcp_edge.agent import __version__
-from mcp_edge.agent.metrics import AgentMetrics
-from mcp_edge.agent.preprocess import PreprocessError, prepare_v1_inputs, top_k
 from mcp_edge.agent.runtime.batcher import (
     BatcherClosedError,
     DeadlineExceededError,
@@ -37,7 +35,9 @@ from mcp_edge.agent.runtime.batcher import (
 )
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
 from mcp_edge.agent.runtime.runner import InferenceError, InputError
-from mcp_edge.agent.tensor_io import decode_feeds, encode_response, output_names
+from mcp_edge.agent.serving.metrics import AgentMetrics
+from mcp_edge.agent.serving.preprocess import PreprocessError, prepare_v1_inputs, top_k
+from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
 from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.protocol.wire import ErrorCode, loads
 

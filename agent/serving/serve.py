@@ -16,11 +16,15 @@ from typing import TYPE_CHECKING
 import click
 from aiohttp import web
 
-from mcp_edge.agent.http_api import DEFAULT_MAX_BODY, build_app
-from mcp_edge.agent.repository import ModelRepository, RepositoryError, RepositoryWatcher
 from mcp_edge.agent.runtime.batcher import BatchingConfig
 from mcp_edge.agent.runtime.manager import ModelManager, ModelSource, RunnerFactory
 from mcp_edge.agent.runtime.runner import ModelRunner
+from mcp_edge.agent.serving.http_api import DEFAULT_MAX_BODY, build_app
+from mcp_edge.agent.serving.model_dir import (
+    ModelDirectory,
+    ModelDirectoryError,
+    ModelDirectoryWatcher,
+)
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.profiles import HardwareProfile
 
@@ -141,16 +145,16 @@ async def run_server(
     )
     watcher = None
     if config.model_path is not None:
-        repo = ModelRepository(
+        model_dir = ModelDirectory(
             config.model_path,
             state_dir=config.state_dir,
             profile=profile,
             trusted_keys=config.trusted_keys,
         )
-        repo.reset_bundle_dir()
-        known = await repo.load_all(manager)
+        model_dir.reset_bundle_dir()
+        known = await model_dir.load_all(manager)
         for cand in config.candidates:
-            source = repo.source_for(cand.path)
+            source = model_dir.source_for(cand.path)
             await manager.load(
                 source,
                 role=cand.role,
@@ -158,7 +162,9 @@ async def run_server(
                 max_error_rate=config.canary_max_error_rate,
             )
         if config.watch_interval_s:
-            watcher = RepositoryWatcher(repo, manager, known, interval_s=config.watch_interval_s)
+            watcher = ModelDirectoryWatcher(
+                model_dir, manager, known, interval_s=config.watch_interval_s
+            )
             watcher.start()
     app = build_app(manager, max_body=config.max_body)
     runner = web.AppRunner(app, access_log=log if config.access_log else None, handle_signals=False)
@@ -221,7 +227,7 @@ def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None
     _install_event_loop()
     try:
         asyncio.run(run_server(config, attach=attach))
-    except (RepositoryError, McpError, ValueError) as e:
+    except (ModelDirectoryError, McpError, ValueError) as e:
         raise click.ClickException(str(e)) from e
     except OSError as e:
         raise click.ClickException(

@@ -1,4 +1,4 @@
-"""The standalone model repository behind ``mcp-agent serve``: files on disk → loaded models.
+"""The model directory behind ``mcp-agent serve``: model files on disk → loaded models.
 
 ``--model-path`` is one model file or a directory of them (``.onnx``, ``.tflite``, ``.mcpb``;
 other files are ignored). A model's name is its file's stem (``digits.onnx`` → ``digits``)
@@ -7,7 +7,7 @@ loaded; a bundle brings its own version. A bundle is verified and unpacked into 
 directory (its publisher signature is required when trusted keys are configured), and the
 variant that fits this device's profile is loaded.
 
-:class:`RepositoryWatcher` polls the files: when one changes (new mtime, size or inode) and
+:class:`ModelDirectoryWatcher` polls the files: when one changes (new mtime, size or inode) and
 has stayed the same for one more poll (so a half-copied file is never loaded), the new content
 goes through the same hot-swap path as any other load; a removed file unloads its model.
 """
@@ -32,13 +32,13 @@ if TYPE_CHECKING:
     from mcp_edge.shared.bundle import BundleManifest
     from mcp_edge.shared.signing import PublicKey
 
-log = logging.getLogger("mcp.agent.repository")
+log = logging.getLogger("mcp.agent.model_dir")
 
 MODEL_SUFFIXES = (".onnx", ".tflite", ".mcpb")
 Fingerprint = tuple[int, int, int]
 
 
-class RepositoryError(McpError):
+class ModelDirectoryError(McpError):
     """The model path cannot be served (missing, empty, or two files claim one name)."""
 
 
@@ -60,7 +60,7 @@ def scan(model_path: Path) -> dict[Path, ModelFile]:
     elif model_path.is_dir():
         candidates = sorted(p for p in model_path.iterdir() if p.is_file())
     else:
-        raise RepositoryError(f"{model_path}: no such file or directory")
+        raise ModelDirectoryError(f"{model_path}: no such file or directory")
     found: dict[Path, ModelFile] = {}
     for p in candidates:
         if p.suffix.lower() in MODEL_SUFFIXES and not p.name.startswith("."):
@@ -108,7 +108,7 @@ def bundle_source(
     )
 
 
-class ModelRepository:
+class ModelDirectory:
     """Turns model files into :class:`ModelSource` objects the manager can load."""
 
     def __init__(
@@ -159,10 +159,10 @@ class ModelRepository:
         )
 
     async def load_all(self, manager: ModelManager) -> dict[Path, ModelFile]:
-        """Load every model file now; raise :class:`RepositoryError` if none loads."""
+        """Load every model file now; raise :class:`ModelDirectoryError` if none loads."""
         files = scan(self.model_path)
         if not files:
-            raise RepositoryError(
+            raise ModelDirectoryError(
                 f"{self.model_path}: no model files ({', '.join(MODEL_SUFFIXES)}) found"
             )
         loaded: dict[Path, ModelFile] = {}
@@ -170,7 +170,7 @@ class ModelRepository:
             try:
                 source = self.source_for(path)
                 if source.name in self._names.values():
-                    raise RepositoryError(
+                    raise ModelDirectoryError(
                         f"{path.name}: another file already serves {source.name!r}"
                     )
                 await manager.load(source)
@@ -180,7 +180,7 @@ class ModelRepository:
             self._names[path] = source.name
             loaded[path] = mf
         if not loaded:
-            raise RepositoryError(f"{self.model_path}: no model could be loaded (see errors above)")
+            raise ModelDirectoryError(f"{self.model_path}: no model could be loaded (see errors above)")
         return loaded
 
     async def reload(self, manager: ModelManager, path: Path) -> bool:
@@ -206,18 +206,18 @@ class ModelRepository:
                 await manager.unload(name)
 
 
-class RepositoryWatcher:
+class ModelDirectoryWatcher:
     """Polls the model path every ``interval_s`` seconds and reloads what changed."""
 
     def __init__(
         self,
-        repo: ModelRepository,
+        directory: ModelDirectory,
         manager: ModelManager,
         known: dict[Path, ModelFile],
         *,
         interval_s: float = 1.0,
     ) -> None:
-        self.repo, self.manager = repo, manager
+        self.directory, self.manager = directory, manager
         self.interval_s = interval_s
         self._known = {p: mf.fingerprint for p, mf in known.items()}
         self._seen: dict[Path, Fingerprint] = dict(self._known)
@@ -244,20 +244,20 @@ class RepositoryWatcher:
     async def poll(self) -> None:
         """One pass: reload files that changed and then held still for a poll."""
         try:
-            current = {p: mf.fingerprint for p, mf in scan(self.repo.model_path).items()}
-        except RepositoryError as e:
+            current = {p: mf.fingerprint for p, mf in scan(self.directory.model_path).items()}
+        except ModelDirectoryError as e:
             log.warning("%s", e)
             return
         for path in list(self._known):
             if path not in current:
                 del self._known[path]
-                await self.repo.remove(self.manager, path)
+                await self.directory.remove(self.manager, path)
         for path, fp in current.items():
             stable = self._seen.get(path) == fp
             self._seen[path] = fp
             if self._known.get(path) != fp and stable:
                 self._known[path] = fp
-                if await self.repo.reload(self.manager, path):
+                if await self.directory.reload(self.manager, path):
                     self.reloads += 1
         for path in list(self._seen):
             if path not in current:
