@@ -8,6 +8,9 @@ properties play the part of the HTTP headers:
     model-version   pin a version (X-Model-Version)     priority    high | normal | low
     request-key     sticky canary routing (X-Request-Key) timeout-ms  request deadline
 
+:mod:`mcp_edge.agent.serving.requests` reads them as it reads the headers (same defaults, same
+refusals) and maps every failure to its error code, for this path and HTTP alike.
+
 The reply goes to the request's MQTT 5 Response Topic with its Correlation Data copied, at the
 request's QoS (at most 1), with user properties ``mcp-status`` (the HTTP status the same
 request gets from the HTTP API) and ``mcp-device``. (No Content Type: every body is JSON, and
@@ -34,10 +37,14 @@ from typing import Any
 from mcp_edge.agent.fleet.metrics import FleetMetrics
 from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
 from mcp_edge.agent.fleet.telemetry import InferenceStatsCollector, Outcome
-from mcp_edge.agent.runtime.batcher import Priority
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager
 from mcp_edge.agent.runtime.runner import Array
-from mcp_edge.agent.serving.http_api import ApiError, classify
+from mcp_edge.agent.serving.requests import (
+    MQTT_PROPERTIES,
+    RequestError,
+    classify,
+    parse_options,
+)
 from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
 from mcp_edge.shared.errors import MessageError, TopicError
 from mcp_edge.shared.protocol import (
@@ -73,39 +80,6 @@ def fleet_infer_filter(model: str, group: str = SHARE_GROUP) -> str:
     return topics.FleetInferTopic(model).shared(group)
 
 
-@dataclass(frozen=True)
-class RequestOptions:
-    """What the user properties of a request ask for (the HTTP headers' counterparts)."""
-
-    version: str | None = None
-    request_key: str | None = None
-    priority: Priority = Priority.NORMAL
-    timeout_s: float | None = None
-
-    @classmethod
-    def from_message(cls, msg: InboundMessage) -> RequestOptions:
-        """Raises :class:`ApiError` (bad_request) for an unknown priority or a bad timeout."""
-        try:
-            priority = Priority.parse(msg.user_property("priority"))
-        except ValueError as e:
-            raise ApiError(ErrorCode.BAD_REQUEST, str(e)) from None
-        timeout = None
-        raw = msg.user_property("timeout-ms")
-        if raw is not None:
-            try:
-                timeout = float(raw) / 1000.0
-            except ValueError:
-                raise ApiError(ErrorCode.BAD_REQUEST, "timeout-ms must be a number") from None
-            if not 0 < timeout <= 3600:
-                raise ApiError(ErrorCode.BAD_REQUEST, "timeout-ms must be in (0, 3600000]")
-        return cls(
-            version=msg.user_property("model-version") or None,
-            request_key=msg.user_property("request-key") or None,
-            priority=priority,
-            timeout_s=timeout,
-        )
-
-
 @dataclass
 class InferenceCounters:
     received_device: int = 0
@@ -115,7 +89,7 @@ class InferenceCounters:
     dropped: int = 0
 
 
-def error_body(err: ApiError) -> bytes:
+def error_body(err: RequestError) -> bytes:
     """The structured error reply, the same JSON the HTTP API answers with."""
     text = str(err)
     if len(text) > _MAX_ERROR_TEXT:
@@ -181,7 +155,7 @@ class MqttInference:
             )
             return
         if len(self._tasks) >= self.max_pending:
-            err = ApiError(
+            err = RequestError(
                 ErrorCode.OVERLOADED,
                 f"overloaded: {len(self._tasks)} MQTT requests in progress",
                 1.0,
@@ -231,7 +205,7 @@ class MqttInference:
         try:
             m.payload_bytes.labels("mqtt").observe(len(msg.payload))
             obj = self._parse(msg)
-            opts = RequestOptions.from_message(msg)
+            opts = parse_options(msg.user_property, MQTT_PROPERTIES)
             lv = self.manager.route(model, opts.version, opts.request_key)
             rid, feeds, wanted = self._feeds(msg, obj, lv)
             answered, outputs = await self.manager.infer(
@@ -266,14 +240,14 @@ class MqttInference:
         return body, None
 
     def _check_reply_size(self, model: str, size: int) -> None:
-        """Raises :class:`ApiError` (too_large) when an answer of ``size`` bytes is over the cap."""
+        """Raises :class:`RequestError` (too_large) for an answer of ``size`` bytes over the cap."""
         if size <= self.max_reply_bytes:
             return
         log.warning(
             "answer of %s is %d bytes, over the %d-byte MQTT reply limit: sent an error instead",
             model, size, self.max_reply_bytes,
         )  # fmt: skip
-        raise ApiError(
+        raise RequestError(
             ErrorCode.TOO_LARGE,
             f"reply too large: the answer is {size} bytes, the limit for MQTT replies is "
             f"{self.max_reply_bytes} bytes; ask for fewer rows or outputs per request",
@@ -284,7 +258,7 @@ class MqttInference:
         size = len(msg.payload)
         if size > self.max_request_bytes:
             self._drop_counted("too_large", msg.topic, f"{size} bytes")
-            raise ApiError(
+            raise RequestError(
                 ErrorCode.TOO_LARGE,
                 f"request body too large: {size} bytes, limit {self.max_request_bytes}",
             )

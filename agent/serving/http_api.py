@@ -11,13 +11,13 @@ Routes::
     GET  /healthz | /readyz | /metrics
 
 Headers: ``X-Model-Version`` pins a version, ``X-Request-Key`` makes canary routing sticky,
-``X-Priority`` is high/normal/low, ``X-Timeout-Ms`` sets the request deadline. Every error is
-``{"error": "...", "code": "..."}`` with the matching status; 429 carries ``Retry-After``.
+``X-Priority`` is high/normal/low, ``X-Timeout-Ms`` sets the request deadline (read, with
+their MQTT counterparts, by :mod:`.requests`). Every error is ``{"error": "...", "code": "..."}``
+with the matching status (:func:`.requests.classify`); 429 carries ``Retry-After``.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -27,35 +27,17 @@ import orjson
 from aiohttp import web
 
 from mcp_edge.agent import __version__
-from mcp_edge.agent.runtime.batcher import (
-    BatcherClosedError,
-    DeadlineExceededError,
-    OverloadedError,
-    Priority,
-)
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
-from mcp_edge.agent.runtime.runner import InferenceError, InputError
 from mcp_edge.agent.serving.metrics import AgentMetrics
-from mcp_edge.agent.serving.preprocess import PreprocessError, prepare_v1_inputs, top_k
+from mcp_edge.agent.serving.preprocess import prepare_v1_inputs, top_k
+from mcp_edge.agent.serving.requests import HTTP_HEADERS, RequestError, classify, parse_options
 from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
-from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.protocol.wire import ErrorCode, loads
-
-log = logging.getLogger("mcp.agent.http")
 
 MANAGER = web.AppKey("manager", ModelManager)
 METRICS = web.AppKey("metrics", AgentMetrics)
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 _JSON = "application/json"
-
-
-class ApiError(Exception):
-    """An error answer: status from ``code``, optional Retry-After."""
-
-    def __init__(self, code: ErrorCode, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.retry_after_s = retry_after_s
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -67,7 +49,7 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     )
 
 
-def _error(e: ApiError) -> web.Response:
+def _error(e: RequestError) -> web.Response:
     body: dict[str, Any] = {"error": str(e), "code": e.code.value}
     headers = None
     if e.retry_after_s is not None:
@@ -76,26 +58,11 @@ def _error(e: ApiError) -> web.Response:
     return _json(body, e.code.http_status, headers)
 
 
-def classify(e: Exception) -> ApiError:
-    """Map a runtime or protocol exception to the error answer a client gets."""
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, (MessageError, InputError, PreprocessError)):
-        return ApiError(ErrorCode.BAD_REQUEST, str(e))
-    if isinstance(e, ModelNotFoundError):
-        return ApiError(ErrorCode.NOT_FOUND, str(e))
-    if isinstance(e, OverloadedError):
-        return ApiError(ErrorCode.OVERLOADED, f"overloaded: {e}", e.retry_after_s)
-    if isinstance(e, DeadlineExceededError):
-        return ApiError(ErrorCode.TIMEOUT, f"timed out: {e}")
-    if isinstance(e, BatcherClosedError):
-        return ApiError(ErrorCode.UNAVAILABLE, str(e))
-    if isinstance(e, InferenceError):
-        return ApiError(ErrorCode.INTERNAL, f"inference failed: {e}")
+def _classify(e: Exception) -> RequestError:
+    # aiohttp refusing a body over client_max_size is the one failure only HTTP has.
     if isinstance(e, web.HTTPRequestEntityTooLarge):
-        return ApiError(ErrorCode.TOO_LARGE, "request body is too large")
-    log.exception("unexpected error while handling a request")
-    return ApiError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}")
+        return RequestError(ErrorCode.TOO_LARGE, "request body is too large")
+    return classify(e)
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -114,7 +81,7 @@ class Handlers:
 
     def _failed(self, model: str, protocol: str, e: Exception) -> web.Response:
         m = self.metrics
-        err = classify(e)
+        err = _classify(e)
         label = self._model_label(model)
         if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
             m.rejections.labels(label, err.code.value).inc()
@@ -153,29 +120,9 @@ class Handlers:
         self._succeeded(lv, protocol, t0)
         return response
 
-    def _routing(
-        self, request: web.Request, model: str
-    ) -> tuple[LoadedVersion, bool, Priority, float | None]:
-        pinned = request.match_info.get("version") or request.headers.get("X-Model-Version")
-        lv = self.manager.route(model, pinned, request.headers.get("X-Request-Key"))
-        try:
-            priority = Priority.parse(request.headers.get("X-Priority"))
-        except ValueError as e:
-            raise ApiError(ErrorCode.BAD_REQUEST, str(e)) from None
-        timeout = None
-        raw = request.headers.get("X-Timeout-Ms")
-        if raw is not None:
-            try:
-                timeout = float(raw) / 1000.0
-            except ValueError:
-                raise ApiError(ErrorCode.BAD_REQUEST, "X-Timeout-Ms must be a number") from None
-            if not 0 < timeout <= 3600:
-                raise ApiError(ErrorCode.BAD_REQUEST, "X-Timeout-Ms must be in (0, 3600000]")
-        return lv, pinned is not None, priority, timeout
-
     async def _body(self, request: web.Request, protocol: str) -> bytes:
         if request.content_length is not None and request.content_length > self.max_body:
-            raise ApiError(
+            raise RequestError(
                 ErrorCode.TOO_LARGE,
                 f"request body too large: {request.content_length} bytes, limit {self.max_body}",
             )
@@ -193,14 +140,17 @@ class Handlers:
         try:
             body = await self._body(request, "v2")
             obj = loads(body, max_bytes=self.max_body)
-            lv, pinned, priority, timeout = self._routing(request, model)
+            # Options before the model lookup: a bad option is a 400 for any model, as over MQTT.
+            version = request.match_info.get("version")
+            opts = parse_options(request.headers.get, HTTP_HEADERS, version)
+            lv = self.manager.route(model, opts.version, opts.request_key)
             rid, feeds, wanted = decode_feeds(obj, lv.info.inputs)
             answered, outputs = await self.manager.infer(
                 lv,
                 feeds,
-                pinned=pinned,
-                priority=priority,
-                timeout_s=timeout,
+                pinned=opts.version is not None,
+                priority=opts.priority,
+                timeout_s=opts.timeout_s,
                 busy=self._active > 1,
             )
             names = output_names(outputs, wanted, answered.output_names)
@@ -226,18 +176,23 @@ class Handlers:
             try:
                 doc = orjson.loads(body)
             except orjson.JSONDecodeError as e:
-                raise ApiError(ErrorCode.BAD_REQUEST, f"body is not valid JSON: {e}") from None
+                raise RequestError(ErrorCode.BAD_REQUEST, f"body is not valid JSON: {e}") from None
             if not isinstance(doc, dict):
-                raise ApiError(ErrorCode.BAD_REQUEST, "body must be a JSON object")
+                raise RequestError(ErrorCode.BAD_REQUEST, "body must be a JSON object")
             model = doc.get("model") or (names[0] if len(names) == 1 else "")
             if not isinstance(model, str) or not model:
-                raise ApiError(
+                raise RequestError(
                     ErrorCode.BAD_REQUEST, f'name the model with "model": one of {names}'
                 )
-            lv, pinned, priority, timeout = self._routing(request, model)
+            opts = parse_options(request.headers.get, HTTP_HEADERS)
+            lv = self.manager.route(model, opts.version, opts.request_key)
             feeds, k = prepare_v1_inputs(doc, lv)
             answered, outputs = await self.manager.infer(
-                lv, feeds, pinned=pinned, priority=priority, timeout_s=timeout
+                lv,
+                feeds,
+                pinned=opts.version is not None,
+                priority=opts.priority,
+                timeout_s=opts.timeout_s,
             )
             first = answered.info.outputs[0].name
             result = {
@@ -266,7 +221,7 @@ class Handlers:
             slot = self.manager.slot(model)
             lv = self.manager.get(model, request.match_info.get("version"))
         except ModelNotFoundError as e:
-            return _error(ApiError(ErrorCode.NOT_FOUND, str(e)))
+            return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
         info = lv.info
         return _json(
             {
@@ -307,7 +262,7 @@ class Handlers:
         try:
             lv = self.manager.get(model, request.match_info.get("version"))
         except ModelNotFoundError as e:
-            return _error(ApiError(ErrorCode.NOT_FOUND, str(e)))
+            return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
         return _json({"name": lv.name, "version": lv.version, "ready": True})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:

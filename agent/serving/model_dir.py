@@ -180,7 +180,9 @@ class ModelDirectory:
             self._names[path] = source.name
             loaded[path] = mf
         if not loaded:
-            raise ModelDirectoryError(f"{self.model_path}: no model could be loaded (see errors above)")
+            raise ModelDirectoryError(
+                f"{self.model_path}: no model could be loaded (see errors above)"
+            )
         return loaded
 
     async def reload(self, manager: ModelManager, path: Path) -> bool:

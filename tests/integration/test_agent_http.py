@@ -330,6 +330,11 @@ async def test_overload_gets_429_and_deadline_gets_504(tmp_path: Path, serve: An
         ("/v2/models/digits/versions/7/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {}, 404, "no loaded version"),
         ("/v2/models/digits/infer", b"[" + b"0," * 700_000 + b"0]", {}, 413, "too large"),
         ("/v2/models/digits/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {"X-Priority": "urgent"}, 400, "priority"),
+        ("/v2/models/digits/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {"X-Timeout-Ms": "soon"}, 400, "X-Timeout-Ms must be a number"),
+        ("/v2/models/digits/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {"X-Timeout-Ms": "0"}, 400, "X-Timeout-Ms must be in (0, 3600000]"),
+        # Options are read before the model is looked up, as over MQTT: the bad option is named.
+        ("/v2/models/nope/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {"X-Priority": "urgent"}, 400, "priority"),
+        ("/v1/infer", b'{"model": "nope", "data": [1]}', {"X-Timeout-Ms": "nan"}, 400, "X-Timeout-Ms must be in"),
         ("/v1/infer", b'{"image": "%%%"}', {}, 400, "image preprocessing"),
         ("/v1/infer", b'{"data": [1, 2]}', {}, 400, "64 values"),
         ("/v1/infer", b'{"data": [[1], [1, 2]]}', {}, 400, "regular array"),
@@ -348,6 +353,33 @@ async def test_bad_requests_get_4xx_with_a_reason(
     # The server keeps serving after a bad request.
     ok = await client.post("/v2/models/digits/infer", json=v2_body(digits.X_test[:1]))
     assert ok.status == 200
+
+
+async def test_a_chunked_body_over_the_limit_is_413(
+    digits: DigitsModels, tmp_path: Path, serve: Any
+) -> None:
+    # No Content-Length: aiohttp itself stops reading at the limit; the answer is still ours.
+    client, *_ = await serve(_single(tmp_path, digits), max_body=1024 * 1024)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(20):
+            yield b" " * 65536
+
+    resp = await client.post("/v2/models/digits/infer", data=chunks(),
+                             headers={"Content-Type": "application/json"})
+    assert resp.status == 413
+    assert await resp.json() == {"error": "request body is too large", "code": "too_large"}
+
+
+async def test_an_empty_version_header_pins_nothing(
+    digits: DigitsModels, tmp_path: Path, serve: Any
+) -> None:
+    # As an empty model-version user property over MQTT: the request is routed, not refused.
+    client, *_ = await serve(_single(tmp_path, digits))
+    resp = await client.post("/v2/models/digits/infer", json=v2_body(digits.X_test[:1]),
+                             headers={"X-Model-Version": "", "X-Request-Key": ""})
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["model_version"] == "1"
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:

@@ -45,3 +45,19 @@ def test_the_product_never_imports_the_tooling() -> None:
         for p in sources(*PRODUCT)
     }
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_mqtt_inference_shares_the_request_rules_not_the_http_app() -> None:
+    # Options, error codes and messages come from serving.requests for every transport; the
+    # fleet code never reaches into the HTTP app, and the shared module imports no transport.
+    fleet = {
+        str(p.relative_to(REPO)): sorted(n for n in imports_of(p)
+                                         if n.startswith("mcp_edge.agent.serving.http_api"))
+        for p in sources("agent/fleet")
+    }
+    assert {k: v for k, v in fleet.items() if v} == {}
+    assert "mcp_edge.agent.serving.requests" in imports_of(REPO / "agent/fleet/mqtt_inference.py")
+    shared = imports_of(REPO / "agent/serving/requests.py")
+    assert sorted(n for n in shared if n.split(".")[0] in {"aiohttp", "paho"}
+                  or n.startswith(("mcp_edge.agent.fleet", "mcp_edge.agent.serving.http_api"))
+                  ) == []
