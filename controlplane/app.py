@@ -57,6 +57,7 @@ from mcp_edge.controlplane.api.common import (
     services,
 )
 from mcp_edge.controlplane.api.deployments import attach_deployments
+from mcp_edge.controlplane.api.enroll import ENROLLMENT
 from mcp_edge.controlplane.api.schemas import Health, Request, Response
 from mcp_edge.controlplane.auth import PasswordHasher, Role, auth_middleware
 from mcp_edge.controlplane.broker.base import BrokerAdminError, BrokerProvisioner, Credentials
@@ -70,6 +71,7 @@ from mcp_edge.controlplane.db import (
 from mcp_edge.controlplane.db import devices as device_q
 from mcp_edge.controlplane.db import telemetry as telemetry_q
 from mcp_edge.controlplane.deployments import DeploymentService
+from mcp_edge.controlplane.enrollment_service import EnrollmentService
 from mcp_edge.controlplane.httplog import server_logging
 from mcp_edge.controlplane.ingest import IngestConnection, IngestService
 from mcp_edge.controlplane.metrics import CONTENT_TYPE, ControlPlaneMetrics
@@ -312,10 +314,10 @@ def create_app(
         middlewares=[error_middleware(metrics), auth_middleware(db, clock, route_roles)],
     )
     repository = RepositoryService(settings, db, clock)
+    trust = trust or repository
     app[SERVICES] = Services(
         settings=settings, db=db, provisioner=provisioner, clock=clock,
-        hasher=PasswordHasher(settings.password_cost), trust=trust or repository,
-        metrics=metrics,
+        hasher=PasswordHasher(settings.password_cost), trust=trust, metrics=metrics,
     )
     endpoints = [*all_endpoints(), *_telemetry_endpoints(), *_infrastructure()]
     for ep in endpoints:
@@ -369,6 +371,9 @@ def create_app(
     deployments = DeploymentService(db, KeyStore(settings.data_dir / "keys"), None, clock, settings)
     attach_deployments(app, deployments, broker=ingest, provisioner=provisioner,
                        sessions=sessions)
+    app[ENROLLMENT] = EnrollmentService(
+        db, provisioner, trust, settings, clock, metrics, deployments=deployments
+    )
     app.on_cleanup.append(dispose)
     return app
 

@@ -2,8 +2,8 @@
 
 :func:`plan` takes what is known about the public key (its device row, if any), the token's
 state, the server policy and whether the device asked to force a re-enrollment, and says what
-to do. :mod:`controlplane.api.enroll` gathers the inputs inside one transaction and carries the
-plan out.
+to do. :class:`controlplane.enrollment_service.EnrollmentService` gathers the inputs inside one
+transaction and carries the plan out.
 
 Device life cycle::
 
@@ -64,7 +64,7 @@ _REFUSAL_MESSAGES = {
 
 
 class Action(str, enum.Enum):
-    """What the enroll handler does."""
+    """What the enrollment service does."""
 
     CREATE = "create"  # new device from a token (accepted or pending per ``status``)
     ACCEPT_PREAUTHORIZED = "accept_preauthorized"

@@ -7,28 +7,27 @@
 
 An approved device receives its broker credentials the next time it asks
 (``mcp-agent enroll`` polls while pending), so approval itself does not touch the broker.
+The decisions are :class:`~controlplane.enrollment_service.EnrollmentService`'s
+(``app[ENROLLMENT]``); its errors become answers in :mod:`controlplane.api.common`.
 """
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from mcp_edge.controlplane import audit
-from mcp_edge.controlplane.api.common import ApiError, Endpoint, json_response, read_body, services
-from mcp_edge.controlplane.api.deployments import apply_standing_deployments
+from mcp_edge.controlplane.api.common import Endpoint, json_response, read_body, services
 from mcp_edge.controlplane.api.devices import device_out
+from mcp_edge.controlplane.api.enroll import enrollment
 from mcp_edge.controlplane.api.schemas import (
     ApprovalList,
     DeviceDetail,
     PreauthorizeRequest,
     ReasonBody,
 )
-from mcp_edge.controlplane.audit import AuditAction
 from mcp_edge.controlplane.auth import Role, principal_of
 from mcp_edge.controlplane.db import devices as q
 from mcp_edge.controlplane.db.devices import DeviceFilter
-from mcp_edge.controlplane.enrollment import DeviceStatus, default_device_id
-from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.controlplane.enrollment import DeviceStatus
 
 MAX_PENDING_LISTED = 1000
 
@@ -43,66 +42,29 @@ async def list_pending(request: web.Request) -> web.Response:
     return json_response(ApprovalList(items=[device_out(v) for v in views]))
 
 
-async def _decide(request: web.Request, approve: bool) -> web.Response:
-    svc, who = services(request), principal_of(request)
-    device_id = request.match_info["device_id"]
+async def approve(request: web.Request) -> web.Response:
+    service, who = enrollment(request), principal_of(request)
     body = await read_body(request, ReasonBody)
-    now = svc.clock()
-    async with svc.db.transaction() as tx:
-        view = await q.get_device(tx, device_id, lock=True)
-        if view is None:
-            raise ApiError(ErrorCode.NOT_FOUND, f"no device {device_id!r}")
-        if view.status != DeviceStatus.PENDING.value:
-            raise ApiError(
-                ErrorCode.CONFLICT, f"device {device_id!r} is {view.status}, not pending"
-            )
-        if approve:
-            view = await q.update_device(
-                tx, device_id, now=now, status=DeviceStatus.ACCEPTED.value, accepted_at=now
-            )
-        else:
-            view = await q.update_device(tx, device_id, now=now, status=DeviceStatus.REJECTED.value)
-        await audit.record(
-            tx, at=now, actor=who.actor,
-            action=AuditAction.DEVICE_APPROVED if approve else AuditAction.DEVICE_REJECTED,
-            target_type="device", target_id=device_id, detail={"reason": body.reason},
-        )
-    if approve:
-        await apply_standing_deployments(request, device_id)
+    view = await service.approve(request.match_info["device_id"], actor=who.actor,
+                                 reason=body.reason)
     return json_response(DeviceDetail.model_validate(view))
 
 
-async def approve(request: web.Request) -> web.Response:
-    return await _decide(request, approve=True)
-
-
 async def reject(request: web.Request) -> web.Response:
-    return await _decide(request, approve=False)
+    service, who = enrollment(request), principal_of(request)
+    body = await read_body(request, ReasonBody)
+    view = await service.reject(request.match_info["device_id"], actor=who.actor,
+                                reason=body.reason)
+    return json_response(DeviceDetail.model_validate(view))
 
 
 async def preauthorize(request: web.Request) -> web.Response:
-    svc, who = services(request), principal_of(request)
+    service, who = enrollment(request), principal_of(request)
     body = await read_body(request, PreauthorizeRequest)
-    device_id = body.device_id or default_device_id(body.public_key)
-    now = svc.clock()
-    async with svc.db.transaction() as tx:
-        known = await q.get_device_by_key(tx, body.public_key)
-        if known is not None:
-            raise ApiError(
-                ErrorCode.CONFLICT, f"this public key already belongs to device {known.id!r}"
-            )
-        if await q.device_id_taken(tx, device_id):
-            raise ApiError(ErrorCode.CONFLICT, f"device id {device_id!r} is taken")
-        view = await q.insert_device(
-            tx, device_id=device_id, public_key=body.public_key,
-            status=DeviceStatus.PREAUTHORIZED.value, now=now, group_name=body.group,
-            labels=body.labels,
-        )
-        await audit.record(
-            tx, at=now, actor=who.actor, action=AuditAction.DEVICE_PREAUTHORIZED,
-            target_type="device", target_id=device_id,
-            detail={"public_key": body.public_key, "group": body.group, "labels": body.labels},
-        )
+    view = await service.preauthorize(
+        body.public_key, actor=who.actor, device_id=body.device_id, group=body.group,
+        labels=body.labels,
+    )
     return json_response(DeviceDetail.model_validate(view), 201)
 
 

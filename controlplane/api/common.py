@@ -12,6 +12,8 @@ Errors by who is at fault (the HTTP status a client sees)::
     AccountConflictError           409: another kind of broker account holds the client id
                                    (the answer names no account; the log does)
     BrokerAdminError               503: the broker did not take the change (nothing committed)
+    EnrollmentError                by kind (controlplane.enrollment_service): invalid 400,
+                                   signature 401, refused 403, no such device 404, conflict 409
     anything else                  500, logged with its traceback
 """
 
@@ -23,7 +25,7 @@ import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -43,6 +45,15 @@ from mcp_edge.controlplane.db import (
     NotFoundError,
     UnavailableError,
 )
+from mcp_edge.controlplane.enrollment_service import (
+    DeviceNotFoundError,
+    EnrollmentConflictError,
+    EnrollmentError,
+    EnrollmentRefusedError,
+    EnrollmentSignatureError,
+    InvalidEnrollmentError,
+    TrustSource,
+)
 from mcp_edge.controlplane.metrics import ControlPlaneMetrics
 from mcp_edge.controlplane.settings import Settings
 from mcp_edge.shared.errors import MessageError, ProtocolError, ReplayError
@@ -56,12 +67,6 @@ M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Clock = Callable[[], datetime]
 JSON = "application/json"
-
-
-class TrustSource(Protocol):
-    """Where enrollment answers get the trust root (TUF root, director and publisher keys)."""
-
-    async def trust_root(self) -> TrustRoot: ...
 
 
 class EmptyTrust:
@@ -255,9 +260,27 @@ def path_int(request: web.Request, name: str) -> int:
 
 
 # ---------------------------------------------------------------------------- middleware
+_ENROLLMENT_CODES: tuple[tuple[type[EnrollmentError], ErrorCode], ...] = (
+    (InvalidEnrollmentError, ErrorCode.BAD_REQUEST),
+    (EnrollmentSignatureError, ErrorCode.UNAUTHORIZED),
+    (EnrollmentRefusedError, ErrorCode.FORBIDDEN),
+    (DeviceNotFoundError, ErrorCode.NOT_FOUND),
+    (EnrollmentConflictError, ErrorCode.CONFLICT),
+)
+
+
+def _enrollment_code(e: EnrollmentError) -> ErrorCode:
+    return next((code for cls, code in _ENROLLMENT_CODES if isinstance(e, cls)),
+                ErrorCode.BAD_REQUEST)
+
+
 def _classify(e: Exception) -> web.Response:
     if isinstance(e, ApiError):
         return error_response(e.code, str(e))
+    if isinstance(e, EnrollmentError):
+        code = _enrollment_code(e)
+        auth = {"WWW-Authenticate": "Bearer"} if code is ErrorCode.UNAUTHORIZED else None
+        return error_response(code, str(e), headers=auth)
     if isinstance(e, AuthError):
         if e.status == 403:
             return error_response(ErrorCode.FORBIDDEN, str(e))

@@ -32,7 +32,6 @@ from mcp_edge.controlplane.api.common import (
 from mcp_edge.controlplane.api.schemas import Request, Response, RowId
 from mcp_edge.controlplane.auth import Role, principal_of
 from mcp_edge.controlplane.broker.base import BrokerProvisioner
-from mcp_edge.controlplane.db import DatabaseError
 from mcp_edge.controlplane.db import deployments as q
 from mcp_edge.controlplane.db import devices as device_q
 from mcp_edge.controlplane.deployments import (
@@ -47,7 +46,6 @@ from mcp_edge.controlplane.deployments import (
 from mcp_edge.controlplane.desired_reconcile import DesiredReconciler
 from mcp_edge.controlplane.ingest import IngestConnection
 from mcp_edge.controlplane.mqtt import MqttSubscriber
-from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.base import Identifier, Labels, VersionText
 from mcp_edge.shared.protocol.command import ErrorCode
@@ -366,19 +364,6 @@ def attach_deployments(
 
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
-
-
-async def apply_standing_deployments(request: web.Request, device_id: str) -> None:
-    """Give a device just accepted (enrollment or approval) the group and label deployments
-    that select it. A failure is logged, never fails the acceptance that already committed."""
-    service = request.app.get(DEPLOYMENTS)
-    if service is None:
-        return
-    try:
-        await service.device_accepted(device_id)
-    except (DatabaseError, McpError) as e:
-        log.warning("device %s accepted, but its standing deployments were not applied: %s",
-                    device_id, e)
 
 
 ENDPOINTS = [

@@ -31,7 +31,8 @@ from mcp_edge.controlplane.audit import AuditAction
 from mcp_edge.controlplane.auth import ENROLLMENT_TOKEN_PREFIX, Role, issue_secret, principal_of
 from mcp_edge.controlplane.db import enrollment as q
 from mcp_edge.controlplane.db.models import EnrollmentToken
-from mcp_edge.controlplane.enrollment import Approval, TokenFacts, token_refusal
+from mcp_edge.controlplane.enrollment import Approval, token_refusal
+from mcp_edge.controlplane.enrollment_service import token_facts
 from mcp_edge.shared.protocol.command import ErrorCode
 
 _STATE_BY_REFUSAL = {
@@ -39,13 +40,6 @@ _STATE_BY_REFUSAL = {
     "token_expired": "expired",
     "token_used_up": "used_up",
 }
-
-
-def token_facts(token: EnrollmentToken) -> TokenFacts:
-    return TokenFacts(
-        approval=Approval(token.approval), uses=token.uses, max_uses=token.max_uses,
-        expires_at=token.expires_at, revoked_at=token.revoked_at,
-    )
 
 
 def token_out(token: EnrollmentToken, now: datetime) -> EnrollmentTokenOut:

@@ -253,8 +253,9 @@ class RepositoryService:
 
     # ------------------------------------------------------------------ trust
     async def trust_root(self) -> TrustRoot:
-        """The trust root for enrollment answers (:class:`~controlplane.api.common.TrustSource`):
-        the newest root.json, the director key and the publisher keys targets lists."""
+        """The trust root for enrollment answers
+        (:class:`~controlplane.enrollment_service.TrustSource`): the newest root.json, the
+        director key and the publisher keys targets lists."""
 
         def read() -> TrustRoot:
             root = json.loads(self.repo.root_bytes())
