@@ -141,16 +141,17 @@ class Handlers:
             body = await self._body(request, "v2")
             obj = loads(body, max_bytes=self.max_body)
             # Options before the model lookup: a bad option is a 400 for any model, as over MQTT.
-            version = request.match_info.get("version")
-            opts = parse_options(request.headers.get, HTTP_HEADERS, version)
-            lv = self.manager.route(model, opts.version, opts.request_key)
+            version, key, priority, timeout = parse_options(
+                request.headers.get, HTTP_HEADERS, request.match_info.get("version")
+            )
+            lv = self.manager.route(model, version, key)
             rid, feeds, wanted = decode_feeds(obj, lv.info.inputs)
             answered, outputs = await self.manager.infer(
                 lv,
                 feeds,
-                pinned=opts.version is not None,
-                priority=opts.priority,
-                timeout_s=opts.timeout_s,
+                pinned=version is not None,
+                priority=priority,
+                timeout_s=timeout,
                 busy=self._active > 1,
             )
             names = output_names(outputs, wanted, answered.output_names)
@@ -184,15 +185,11 @@ class Handlers:
                 raise RequestError(
                     ErrorCode.BAD_REQUEST, f'name the model with "model": one of {names}'
                 )
-            opts = parse_options(request.headers.get, HTTP_HEADERS)
-            lv = self.manager.route(model, opts.version, opts.request_key)
+            version, key, priority, timeout = parse_options(request.headers.get, HTTP_HEADERS)
+            lv = self.manager.route(model, version, key)
             feeds, k = prepare_v1_inputs(doc, lv)
             answered, outputs = await self.manager.infer(
-                lv,
-                feeds,
-                pinned=opts.version is not None,
-                priority=opts.priority,
-                timeout_s=opts.timeout_s,
+                lv, feeds, pinned=version is not None, priority=priority, timeout_s=timeout
             )
             first = answered.info.outputs[0].name
             result = {
