@@ -470,7 +470,7 @@ async def _ingest_main(args: argparse.Namespace) -> dict[str, Any]:
 def role_ingest(args: argparse.Namespace) -> None:
     import logging
 
-    from mcp_edge.controlplane.cli import install_event_loop
+    from mcp_edge.controlplane.cli.server import install_event_loop
 
     logging.basicConfig(level=logging.WARNING)
     loop = install_event_loop()  # as `mcp-controlplane serve` runs

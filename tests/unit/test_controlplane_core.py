@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import pytest
 
-from mcp_edge.controlplane.cli_client import parse_duration, parse_labels
+from mcp_edge.controlplane.cli.client import parse_duration, parse_labels
 from mcp_edge.controlplane.db import DatabaseConfigError, async_url
 from mcp_edge.controlplane.enrollment import (
     Action,

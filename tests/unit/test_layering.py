@@ -61,3 +61,39 @@ def test_mqtt_inference_shares_the_request_rules_not_the_http_app() -> None:
     assert sorted(n for n in shared if n.split(".")[0] in {"aiohttp", "paho"}
                   or n.startswith(("mcp_edge.agent.fleet", "mcp_edge.agent.serving.http_api"))
                   ) == []
+
+
+CLI = "controlplane/cli"
+CLI_PACKAGE = "mcp_edge.controlplane.cli"
+
+
+def _cli_module(path: Path) -> str:
+    rel = path.relative_to(REPO / CLI).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join((CLI_PACKAGE, *parts))
+
+
+def test_cli_imports_go_one_way() -> None:
+    """Commands import helpers, the group imports the commands, and only the package and its
+    ``__main__`` import the group (or the package, which is the group): no cycle in the CLI."""
+    modules = {_cli_module(p): p for p in sources(CLI)}
+    graph = {
+        name: {n for n in imports_of(path) if n in modules and n != name}
+        for name, path in modules.items()
+    }
+    group = f"{CLI_PACKAGE}.group"
+    entry = {CLI_PACKAGE, f"{CLI_PACKAGE}.__main__"}
+    reach_group = {name: sorted(deps & {group, CLI_PACKAGE})
+                   for name, deps in graph.items() if name not in entry}
+    assert {k: v for k, v in reach_group.items() if v} == {}
+
+    def cycle_from(start: str, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        for dep in sorted(graph[start]):
+            if dep in path:
+                return (*path, dep)
+            found = cycle_from(dep, (*path, dep))
+            if found:
+                return found
+        return None
+
+    assert [c for name in sorted(graph) if (c := cycle_from(name, (name,)))] == []

@@ -1,4 +1,4 @@
-"""``mcp-controlplane``: the server-side command line.
+"""``mcp-controlplane init|serve``: the control plane's data dir, database and server process.
 
     mcp-controlplane init  --data-dir D [--database-url URL] [--admin-user U --admin-password-file F]
                            [--broker-url URL] [--broker-admin-url mqtt://H:P
@@ -7,23 +7,20 @@
 
 With a broker admin configured, ``serve`` logs in to Mosquitto's dynamic-security plugin,
 gives enrolled devices real per-device credentials, provisions its own service accounts
-``svc-cp-{host}-{id}`` (:mod:`controlplane.replica`) and ingests device telemetry with them; without one, enrollment can accept
-devices but not give them MQTT credentials, and there is no ingestion.
-    mcp-controlplane login | users | tokens | devices | audit ...   (REST client, see cli_fleet)
-    mcp-controlplane keys ... (local) | publishers | models ...    (see cli_repo)
-    mcp-controlplane deploy | undeploy | deployments | desired ... (see cli_deploy)
-    mcp-controlplane apps create | list | revoke ...               (see cli_apps)
+``svc-cp-{host}-{id}`` (:mod:`controlplane.replica`) and ingests device telemetry with them;
+without one, enrollment can accept devices but not give them MQTT credentials, and there is no
+ingestion.
 
 Flags, environment (``MCP_DATA_DIR``, ``MCP_DATABASE_URL``, ``MCP_LISTEN``,
 ``MCP_BROKER_URLS``) and ``<data dir>/controlplane.toml`` become one
-:class:`~controlplane.settings.Settings` here, and nothing below reads them again.
+:class:`~controlplane.settings.Settings` here (:func:`controlplane.cli.datadir.cli_settings`),
+and nothing below reads them again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,26 +28,11 @@ from typing import Any
 import click
 
 from mcp_edge.controlplane import __version__
-from mcp_edge.controlplane.cli_apps import COMMANDS as APP_COMMANDS
-from mcp_edge.controlplane.cli_deploy import COMMANDS as DEPLOY_COMMANDS
-from mcp_edge.controlplane.cli_fleet import COMMANDS
-from mcp_edge.controlplane.cli_repo import COMMANDS as REPO_COMMANDS
-from mcp_edge.controlplane.settings import (
-    EnrollmentApproval,
-    Settings,
-    SettingsError,
-    environment,
-    load_settings,
-)
+from mcp_edge.controlplane.cli.datadir import cli_settings, data_dir_option
+from mcp_edge.controlplane.settings import EnrollmentApproval, Settings, SettingsError
 from mcp_edge.shared.errors import McpError
 
-
-def default_data_dir() -> Path:
-    """``/var/lib/mcp-controlplane`` for root, else ``$XDG_DATA_HOME/mcp-controlplane``."""
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        return Path("/var/lib/mcp-controlplane")
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "mcp-controlplane"
+_DATA_DIR_HELP = "Where the database, config and keys live."
 
 
 def install_event_loop() -> str:
@@ -64,37 +46,8 @@ def install_event_loop() -> str:
     return "uvloop"
 
 
-def _settings(data_dir: Path | None, **overrides: object) -> Settings:
-    try:
-        return load_settings(
-            data_dir or default_data_dir(), environ=environment(), overrides=overrides
-        )
-    except SettingsError as e:
-        raise click.ClickException(str(e)) from e
-
-
-def _data_dir_option(func: click.decorators.FC) -> click.decorators.FC:
-    return click.option(
-        "--data-dir", type=click.Path(file_okay=False, path_type=Path), envvar="MCP_DATA_DIR",
-        show_envvar=True, help="Where the database, config and keys live.",
-    )(func)
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="mcp-controlplane")
-@click.option("-v", "--verbose", is_flag=True, help="Log at debug level.")
-def main(verbose: bool) -> None:
-    """MCP Edge control plane."""
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not verbose:  # Alembic narrates every plugin and context at INFO
-        logging.getLogger("alembic").setLevel(logging.WARNING)
-
-
-@main.command()
-@_data_dir_option
+@click.command()
+@data_dir_option(_DATA_DIR_HELP)
 @click.option("--database-url", help="postgresql://USER@HOST/DB (default: SQLite in the data dir).")
 @click.option("--listen", help="HOST:PORT for serve (default 127.0.0.1:8080).")
 @click.option("--broker-url", "broker_urls", multiple=True,
@@ -125,7 +78,7 @@ def init(
     from mcp_edge.controlplane.app import system_clock
     from mcp_edge.controlplane.bootstrap import initialize
 
-    settings = _settings(
+    settings = cli_settings(
         data_dir, database_url=database_url, listen=listen,
         broker_urls=",".join(broker_urls) or None, enrollment_approval=approval,
         broker_admin_url=broker_admin_url, broker_admin_user=broker_admin_user,
@@ -183,14 +136,14 @@ def _init_repository(settings: Settings) -> None:
     click.echo(f"TUF repository {state} in {repo.dir} (keys in {repo.keys.dir})", err=True)
 
 
-@main.command()
-@_data_dir_option
+@click.command()
+@data_dir_option(_DATA_DIR_HELP)
 @click.option("--database-url", help="Overrides the data dir's config.")
 @click.option("--listen", help="HOST:PORT (port 0 picks a free one).")
 def serve(data_dir: Path | None, database_url: str | None, listen: str | None) -> None:
     """Run the control plane: migrate the database, then serve REST, /metrics, /healthz, and
     (with a broker admin configured) per-device broker accounts and telemetry ingestion."""
-    settings = _settings(data_dir, database_url=database_url, listen=listen)
+    settings = cli_settings(data_dir, database_url=database_url, listen=listen)
     if not settings.data_dir.is_dir():
         raise click.ClickException(
             f"{settings.data_dir} does not exist; run `mcp-controlplane init` first"
@@ -254,9 +207,4 @@ async def _serve_locked(settings: Settings, ready: Any, name: str) -> None:
         )
 
 
-for _command in (*COMMANDS, *REPO_COMMANDS, *DEPLOY_COMMANDS, *APP_COMMANDS):
-    main.add_command(_command)
-
-
-if __name__ == "__main__":
-    main()
+COMMANDS = [init, serve]

@@ -12,53 +12,38 @@ Each change takes the repository's writer lock (``repository/.lock``), so it is 
 running ``serve``, which reads keys and metadata from disk on every use.
 
 ``publishers`` and ``models`` call the REST API (``--server``/``--token`` or ``MCP_SERVER`` /
-``MCP_TOKEN``), like the commands of :mod:`controlplane.cli_fleet`.
+``MCP_TOKEN``), like the commands of :mod:`controlplane.cli.fleet`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import quote
 
 import click
 
-from mcp_edge.controlplane.cli_client import (
+from mcp_edge.controlplane.cli.client import (
     ApiClient,
     api_options,
     fmt_time,
     print_json,
     print_table,
 )
+from mcp_edge.controlplane.cli.datadir import cli_settings, data_dir_option
 from mcp_edge.controlplane.repository.service import repository_for, repository_lock
 from mcp_edge.controlplane.repository.tuf_repo import DIRECTOR, ROLES, TufRepository
-from mcp_edge.controlplane.settings import SettingsError, environment, load_settings
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.signing import read_public_key
 
 T = TypeVar("T")
-
-
-def _data_dir_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option(
-        "--data-dir",
-        type=click.Path(file_okay=False, path_type=Path),
-        envvar="MCP_DATA_DIR",
-        show_envvar=True,
-        help="The control plane's data dir (keys live in its keys/).",
-    )(func)
+_data_dir_option = data_dir_option("The control plane's data dir (keys live in its keys/).")
 
 
 def _with_repository(data_dir: Path | None, func: Callable[[TufRepository], T]) -> T:
     """Run ``func`` on the data dir's repository under its writer lock; errors → ClickException."""
-    from mcp_edge.controlplane.cli import default_data_dir
-
-    try:
-        settings = load_settings(data_dir or default_data_dir(), environ=environment())
-    except SettingsError as e:
-        raise click.ClickException(str(e)) from e
-    repo = repository_for(settings)
+    repo = repository_for(cli_settings(data_dir))
     if not repo.initialized:
         raise click.ClickException(
             f"no repository in {repo.dir}; run `mcp-controlplane init` (or start serve) first"

@@ -17,7 +17,7 @@ from urllib.parse import quote
 
 import click
 
-from mcp_edge.controlplane.cli_client import (
+from mcp_edge.controlplane.cli.client import (
     ApiClient,
     api_options,
     fmt_time,
