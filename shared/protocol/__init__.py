@@ -19,6 +19,7 @@ from mcp_edge.shared.protocol import topics
 _EXPORTS: dict[str, str] = {
     "BatchingPolicy": "mcp_edge.shared.protocol.state",
     "BrokerCredentials": "mcp_edge.shared.protocol.enrollment",
+    "CanaryPolicy": "mcp_edge.shared.protocol.canary",
     "CanarySpec": "mcp_edge.shared.protocol.state",
     "CommandName": "mcp_edge.shared.protocol.command",
     "CommandReply": "mcp_edge.shared.protocol.command",
@@ -67,6 +68,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "BatchingPolicy",
     "BrokerCredentials",
+    "CanaryPolicy",
     "CanarySpec",
     "CommandName",
     "CommandReply",
@@ -117,6 +119,7 @@ if TYPE_CHECKING:
     from mcp_edge.shared.protocol.base import (
         Message,
     )
+    from mcp_edge.shared.protocol.canary import CanaryPolicy
     from mcp_edge.shared.protocol.codec import (
         decode,
         decode_for_topic,

@@ -13,10 +13,17 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any, ClassVar
 
-from pydantic import AwareDatetime, Field, model_validator
+from pydantic import (
+    AwareDatetime,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from mcp_edge.shared.errors import ExpiredError, MessageError, ReplayError
 from mcp_edge.shared.protocol.base import Identifier, Message, Sha256Hex, ShortText, VersionText
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, MAX_CANARY_WINDOW, CanaryPolicy
 from mcp_edge.shared.signing import PrivateKey, PublicKey, sign_document, verify_document
 
 
@@ -29,12 +36,55 @@ class TargetRef(Message):
     length: int = Field(gt=0)
 
 
+_DEFAULT = DEFAULT_CANARY_POLICY
+_JUDGING = ("min_requests", "window")
+"""Policy fields newer than the first canary documents: left out when they hold the default."""
+
+
 class CanarySpec(Message):
-    """A candidate served beside stable to a share of requests (``weight`` in 0..1)."""
+    """A candidate served beside stable, with its :class:`CanaryPolicy` fields beside ``target``
+    (flat, as in documents that predate ``min_requests`` and ``window``; each field left out
+    takes its default). Build one with :meth:`of`; read the policy as :attr:`policy`.
+
+    ``min_requests`` and ``window`` are left out of the encoded document when they hold their
+    defaults, so an agent that predates them still accepts a canary with the default judging.
+    """
 
     target: TargetRef
-    weight: float = Field(ge=0.0, le=1.0)
-    max_error_rate: float = Field(default=0.05, ge=0.0, le=1.0)
+    weight: float = Field(default=_DEFAULT.weight, ge=0.0, le=1.0,
+                          description="share of routed requests the canary answers, 0..1")
+    max_error_rate: float = Field(
+        default=_DEFAULT.max_error_rate, ge=0.0, le=1.0,
+        description="share of failed requests in the window that takes the canary out, 0..1",
+    )
+    min_requests: int = Field(
+        default=_DEFAULT.min_requests, ge=1, le=MAX_CANARY_WINDOW,
+        description="canary requests in the window before its error rate is judged",
+    )
+    window: int = Field(default=_DEFAULT.window, ge=1, le=MAX_CANARY_WINDOW,
+                        description="the canary's latest requests the error rate is taken over")
+
+    @model_validator(mode="after")
+    def _judged(self) -> CanarySpec:
+        _ = self.policy  # building it runs the policy's cross-field checks (ValueError)
+        return self
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for name in _JUDGING:
+            if data.get(name) == getattr(_DEFAULT, name):
+                del data[name]
+        return data
+
+    @property
+    def policy(self) -> CanaryPolicy:
+        return CanaryPolicy(self.weight, self.max_error_rate, self.min_requests, self.window)
+
+    @classmethod
+    def of(cls, target: TargetRef, policy: CanaryPolicy = DEFAULT_CANARY_POLICY) -> CanarySpec:
+        """The spec serving ``target`` under ``policy``."""
+        return cls(target=target, **policy.as_dict())
 
 
 class BatchingPolicy(Message):
