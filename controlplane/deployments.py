@@ -43,6 +43,7 @@ from mcp_edge.controlplane.db.deployments import (
     DesiredView,
     DeviceModelView,
     VersionView,
+    canary_columns,
 )
 from mcp_edge.controlplane.db.devices import DeviceFilter, DeviceView
 from mcp_edge.controlplane.desired import build_desired_state, downgrades, misfits
@@ -50,6 +51,7 @@ from mcp_edge.controlplane.repository.tuf_repo import DIRECTOR, KeyStore
 from mcp_edge.controlplane.settings import Settings
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.canary import CanaryPolicy
 from mcp_edge.shared.protocol.state import DesiredState, sign_desired_state
 from mcp_edge.shared.signing import PrivateKey
 
@@ -204,18 +206,17 @@ class DeploymentService:
         version: str,
         selector: Selector,
         *,
-        canary: tuple[str, float] | None = None,
+        canary: tuple[str, CanaryPolicy] | None = None,
         shadow: str | None = None,
         rollback: bool = False,
         actor: str,
     ) -> Outcome:
         """Make ``version`` the stable version of ``model`` on every accepted device selected
-        (with a canary ``(version, weight)`` or a shadow version), then issue and publish each
+        (with a canary ``(version, policy)`` or a shadow version), then issue and publish each
         device's new desired state. Raises :class:`DeploymentError` subclasses."""
         if canary is not None and shadow is not None:
             raise InvalidDeploymentError("a model takes a canary or a shadow, not both")
-        if canary is not None and not 0.0 <= canary[1] <= 1.0:
-            raise InvalidDeploymentError(f"canary weight {canary[1]} is outside 0..1")
+        policy = canary_columns(canary[1] if canary else None)
         wanted = [version] + ([canary[0]] if canary else []) + ([shadow] if shadow else [])
         if len(set(wanted)) != len(wanted):
             raise InvalidDeploymentError("the canary or shadow must differ from the stable version")
@@ -236,16 +237,14 @@ class DeploymentService:
             deployment = await q.insert_deployment(
                 tx, action=DEPLOY, model=model, version=version, device_id=selector.device_id,
                 group_name=selector.group, labels=dict(selector.labels) if selector.labels else None,
-                canary_version=canary[0] if canary else None,
-                canary_weight=canary[1] if canary else None, shadow_version=shadow,
+                canary_version=canary[0] if canary else None, **policy, shadow_version=shadow,
                 rollback=rollback, created_by=actor, created_at=now, devices_matched=len(ids),
             )
             for device_id in ids:
                 await q.put_device_model(tx, DeviceModelView(
                     device_id=device_id, model=model, stable_version=version,
-                    canary_version=canary[0] if canary else None,
-                    canary_weight=canary[1] if canary else None, shadow_version=shadow,
-                    rollback=rollback, deployment_id=deployment.id,
+                    canary_version=canary[0] if canary else None, **policy,
+                    shadow_version=shadow, rollback=rollback, deployment_id=deployment.id,
                 ), now=now)
             seqs = await self._issue(tx, ids, now, key)
             await self._audit(tx, now, actor, "deployment.created", deployment, skipped)
@@ -320,7 +319,7 @@ class DeploymentService:
                     continue
                 await q.put_device_model(tx, DeviceModelView(
                     device_id=device_id, model=d.model, stable_version=d.version,
-                    canary_version=d.canary_version, canary_weight=d.canary_weight,
+                    canary_version=d.canary_version, **canary_columns(d.canary_policy),
                     shadow_version=d.shadow_version, rollback=d.rollback, deployment_id=d.id,
                 ), now=now)
                 applied.append(d.id)

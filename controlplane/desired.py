@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from mcp_edge.controlplane.db.deployments import DeviceModelView, VersionView
 from mcp_edge.controlplane.db.devices import DeviceView
 from mcp_edge.shared.errors import VersionError
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY
 from mcp_edge.shared.protocol.state import CanarySpec, DesiredModel, DesiredState, TargetRef
 from mcp_edge.shared.version import parse_version
 
@@ -48,7 +49,7 @@ def build_desired_state(
             continue
         entries.append(DesiredModel(
             name=m.model, stable=_ref(stable),
-            canary=CanarySpec(target=_ref(canary), weight=m.canary_weight or 0.0)
+            canary=CanarySpec.of(_ref(canary), m.canary_policy or DEFAULT_CANARY_POLICY)
             if canary else None,
             shadow=_ref(shadow) if shadow else None, rollback=m.rollback,
         ))

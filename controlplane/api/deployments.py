@@ -48,6 +48,7 @@ from mcp_edge.controlplane.ingest import IngestConnection
 from mcp_edge.controlplane.mqtt import MqttSubscriber
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.base import Identifier, Labels, VersionText
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 from mcp_edge.shared.protocol.command import ErrorCode
 from mcp_edge.shared.protocol.topics import Channel
 
@@ -85,9 +86,31 @@ class SelectorIn(Request):
         return Selector(self.device_id, self.group, self.labels)
 
 
+_CANARY = DEFAULT_CANARY_POLICY
+
+
 class CanaryIn(Request):
+    """A canary version and its policy; a field left out takes the policy's default. The
+    window (the canary's latest requests judged) is the default for every device."""
+
     version: VersionText
-    weight: Annotated[float, Field(ge=0.0, le=1.0, description="share of requests, 0..1")] = 0.1
+    weight: Annotated[float, Field(
+        ge=0.0, le=1.0, description="share of routed requests the canary answers, 0..1",
+    )] = _CANARY.weight
+    max_error_rate: Annotated[float, Field(
+        ge=0.0, le=1.0,
+        description="share of failed canary requests, over the device's window of the "
+        f"canary's latest {_CANARY.window}, that takes the canary out of rotation, 0..1",
+    )] = _CANARY.max_error_rate
+    min_requests: Annotated[int, Field(
+        ge=1, le=_CANARY.window,
+        description="canary requests the device's window must hold before it judges the "
+        "error rate",
+    )] = _CANARY.min_requests
+
+    def policy(self) -> CanaryPolicy:
+        return CanaryPolicy(weight=self.weight, max_error_rate=self.max_error_rate,
+                            min_requests=self.min_requests)
 
 
 class DeploymentCreate(Request):
@@ -125,6 +148,8 @@ class DeploymentOut(Response):
     labels: dict[str, str] | None
     canary_version: str | None
     canary_weight: float | None
+    canary_max_error_rate: float | None = Field(description="null: the default policy's")
+    canary_min_requests: int | None = Field(description="null: the default policy's")
     shadow_version: str | None
     rollback: bool
     created_by: str
@@ -169,6 +194,8 @@ class DesiredModelOut(Response):
     stable_version: str
     canary_version: str | None
     canary_weight: float | None
+    canary_max_error_rate: float | None = Field(description="null: the default policy's")
+    canary_min_requests: int | None = Field(description="null: the default policy's")
     shadow_version: str | None
     rollback: bool
     deployment_id: int | None
@@ -228,7 +255,7 @@ async def create_deployment(request: web.Request) -> web.Response:
     try:
         outcome = await service.deploy(
             body.model, body.version, body.selector.selector(),
-            canary=(body.canary.version, body.canary.weight) if body.canary else None,
+            canary=(body.canary.version, body.canary.policy()) if body.canary else None,
             shadow=body.shadow, rollback=body.rollback, actor=who.actor,
         )
     except DeploymentError as e:

@@ -1,7 +1,8 @@
 """``mcp-controlplane deploy|undeploy|deployments|desired``: deployments from a shell.
 
     mcp-controlplane deploy MODEL VERSION (--device D | --group G | --label k=v ...)
-                            [--canary V [--weight 0.1] | --shadow V] [--rollback]
+                            [--canary V [--weight W] [--max-error-rate R] [--min-requests N]
+                             | --shadow V] [--rollback]
     mcp-controlplane undeploy MODEL (--device D | --group G | --label k=v ...)
     mcp-controlplane deployments list [--model M] [--limit N]
     mcp-controlplane desired show DEVICE [--envelope]
@@ -28,6 +29,7 @@ from mcp_edge.controlplane.cli.client import (
     print_json,
     print_table,
 )
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY as CANARY
 
 
 def _selector(device: str | None, group: str | None, labels: Sequence[str]) -> dict[str, Any]:
@@ -81,15 +83,21 @@ def _print_result(answer: dict[str, Any]) -> None:
 @_selector_options
 @click.option("--canary", metavar="VERSION", help="Serve this version beside stable to a share "
               "of requests.")
-@click.option("--weight", type=click.FloatRange(0.0, 1.0), help="The canary's share (0..1; "
-              "default 0.1).")
+@click.option("--weight", type=click.FloatRange(0.0, 1.0), help="The canary's share of "
+              f"requests (0..1; default {CANARY.weight}).")
+@click.option("--max-error-rate", type=click.FloatRange(0.0, 1.0), help="Share of failed canary "
+              "requests that makes a device take the canary out of rotation (0..1; default "
+              f"{CANARY.max_error_rate}).")
+@click.option("--min-requests", type=click.IntRange(1, CANARY.window), help="Canary requests a "
+              f"device judges before it may take the canary out (default {CANARY.min_requests}).")
 @click.option("--shadow", metavar="VERSION", help="Run this version on copies of requests.")
 @click.option("--rollback", is_flag=True, help="Allow going below a device's current version.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole answer as JSON.")
 def deploy(
     server: str, token: str | None, model: str, version: str, device: str | None,
     group: str | None, labels: tuple[str, ...], canary: str | None, weight: float | None,
-    shadow: str | None, rollback: bool, as_json: bool,
+    max_error_rate: float | None, min_requests: int | None, shadow: str | None, rollback: bool,
+    as_json: bool,
 ) -> None:
     """Make VERSION of MODEL the stable version on the selected devices.
 
@@ -97,14 +105,17 @@ def deploy(
     topic. Going below a device's current version needs --rollback.
     """
     selector = _selector(device, group, labels)
-    if weight is not None and canary is None:
-        raise click.UsageError("--weight sets the canary's share; give --canary VERSION too")
+    policy = {name: value for name, value in (("weight", weight), ("max_error_rate",
+              max_error_rate), ("min_requests", min_requests)) if value is not None}
+    if policy and canary is None:
+        raise click.UsageError("--weight, --max-error-rate and --min-requests set the canary's "
+                               "policy; give --canary VERSION too")
     if canary and shadow:
         raise click.UsageError("a model takes a canary or a shadow, not both")
     body: dict[str, Any] = {"model": model, "version": version, "selector": selector,
                             "rollback": rollback}
     if canary:
-        body["canary"] = {"version": canary, **({"weight": weight} if weight is not None else {})}
+        body["canary"] = {"version": canary, **policy}
     if shadow:
         body["shadow"] = shadow
     answer = ApiClient(server, token).call("POST", "/api/v1/deployments", body=body)

@@ -24,6 +24,7 @@ from mcp_edge.controlplane.db.models import (
     ModelVersion,
     ReportedStateRow,
 )
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,21 @@ class DeploymentView:
     labels: dict[str, str] | None
     canary_version: str | None
     canary_weight: float | None
+    canary_max_error_rate: float | None
+    canary_min_requests: int | None
     shadow_version: str | None
     rollback: bool
     created_by: str
     created_at: datetime
     devices_matched: int
+
+    @property
+    def canary_policy(self) -> CanaryPolicy | None:
+        """The canary's policy as stored; None without a canary."""
+        if self.canary_version is None:
+            return None
+        return stored_policy(self.canary_weight, self.canary_max_error_rate,
+                             self.canary_min_requests)
 
 
 @dataclass(frozen=True)
@@ -68,10 +79,20 @@ class DeviceModelView:
     stable_version: str
     canary_version: str | None = None
     canary_weight: float | None = None
+    canary_max_error_rate: float | None = None
+    canary_min_requests: int | None = None
     shadow_version: str | None = None
     rollback: bool = False
     deployment_id: int | None = None
     updated_at: datetime | None = None
+
+    @property
+    def canary_policy(self) -> CanaryPolicy | None:
+        """The canary's policy as stored; None without a canary."""
+        if self.canary_version is None:
+            return None
+        return stored_policy(self.canary_weight, self.canary_max_error_rate,
+                             self.canary_min_requests)
 
 
 @dataclass(frozen=True)
@@ -96,6 +117,29 @@ class ReportedView:
     models: list[dict[str, Any]]
 
 
+def canary_columns(policy: CanaryPolicy | None) -> dict[str, Any]:
+    """The ``canary_*`` policy columns of a deployment or device model holding ``policy``
+    (all None without a canary). The window is not stored: devices get the default."""
+    return {
+        "canary_weight": policy.weight if policy else None,
+        "canary_max_error_rate": policy.max_error_rate if policy else None,
+        "canary_min_requests": policy.min_requests if policy else None,
+    }
+
+
+def stored_policy(
+    weight: float | None, max_error_rate: float | None, min_requests: int | None
+) -> CanaryPolicy:
+    """The policy a row's ``canary_*`` columns hold; a NULL (a row older than the column) is
+    the default. Raises ValueError for stored values out of range."""
+    d = DEFAULT_CANARY_POLICY
+    return CanaryPolicy(
+        weight=d.weight if weight is None else weight,
+        max_error_rate=d.max_error_rate if max_error_rate is None else max_error_rate,
+        min_requests=d.min_requests if min_requests is None else min_requests,
+    )
+
+
 def _version_view(row: ModelVersion) -> VersionView:
     return VersionView(
         model=row.model, version=row.version, version_numeric=int(row.version_numeric),
@@ -110,6 +154,8 @@ def _deployment_view(row: DeploymentRow) -> DeploymentView:
         device_id=row.device_id, group_name=row.group_name,
         labels=dict(row.labels) if row.labels is not None else None,
         canary_version=row.canary_version, canary_weight=row.canary_weight,
+        canary_max_error_rate=row.canary_max_error_rate,
+        canary_min_requests=row.canary_min_requests,
         shadow_version=row.shadow_version, rollback=row.rollback, created_by=row.created_by,
         created_at=row.created_at, devices_matched=row.devices_matched,
     )
@@ -119,6 +165,8 @@ def _device_model_view(row: DeviceModelRow) -> DeviceModelView:
     return DeviceModelView(
         device_id=row.device_id, model=row.model, stable_version=row.stable_version,
         canary_version=row.canary_version, canary_weight=row.canary_weight,
+        canary_max_error_rate=row.canary_max_error_rate,
+        canary_min_requests=row.canary_min_requests,
         shadow_version=row.shadow_version, rollback=row.rollback,
         deployment_id=row.deployment_id, updated_at=row.updated_at,
     )
@@ -216,6 +264,8 @@ async def put_device_model(tx: Tx, view: DeviceModelView, *, now: datetime) -> N
     row.stable_version = view.stable_version
     row.canary_version = view.canary_version
     row.canary_weight = view.canary_weight
+    row.canary_max_error_rate = view.canary_max_error_rate
+    row.canary_min_requests = view.canary_min_requests
     row.shadow_version = view.shadow_version
     row.rollback = view.rollback
     row.deployment_id = view.deployment_id

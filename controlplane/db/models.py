@@ -357,6 +357,8 @@ class DeploymentRow(Base):
     labels: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     canary_version: Mapped[str | None] = mapped_column(String(128))
     canary_weight: Mapped[float | None] = mapped_column(Float)
+    canary_max_error_rate: Mapped[float | None] = mapped_column(Float)  # 0006; NULL: default
+    canary_min_requests: Mapped[int | None] = mapped_column(Integer)  # 0006; NULL: default
     shadow_version: Mapped[str | None] = mapped_column(String(128))
     rollback: Mapped[bool] = mapped_column(Boolean, default=False)
     created_by: Mapped[str] = mapped_column(String(128))
@@ -374,6 +376,8 @@ class DeviceModelRow(Base):
     stable_version: Mapped[str] = mapped_column(String(128))
     canary_version: Mapped[str | None] = mapped_column(String(128))
     canary_weight: Mapped[float | None] = mapped_column(Float)
+    canary_max_error_rate: Mapped[float | None] = mapped_column(Float)  # 0006; NULL: default
+    canary_min_requests: Mapped[int | None] = mapped_column(Integer)  # 0006; NULL: default
     shadow_version: Mapped[str | None] = mapped_column(String(128))
     rollback: Mapped[bool] = mapped_column(Boolean, default=False)
     deployment_id: Mapped[int | None] = mapped_column(

@@ -43,6 +43,7 @@ from mcp_edge.controlplane.repository.tuf_repo import KeyStore
 from mcp_edge.controlplane.settings import PasswordCost, Settings, load_settings
 from mcp_edge.shared.errors import ExpiredError
 from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 from mcp_edge.shared.protocol.state import (
     DesiredState,
     ModelStatus,
@@ -306,6 +307,39 @@ async def test_group_deploy_reaches_every_accepted_device_and_later_ones(fleet: 
     assert (await fleet.desired(a, last_seq=1)).models == []
     await fleet.enroll("cam-after", token=in_group)
     await fleet.get(f"/api/v1/devices/{fleet.id('cam-after')}/desired", status=404)
+
+
+async def test_the_canary_policy_reaches_each_signed_desired_state(fleet: Fleet) -> None:
+    await publish_versions(fleet.db, fleet.cp.clock(), "digits", "1.0.0", "1.1.0")
+    group = fleet.id("line-c")
+    token = (await fleet.cp.new_token(group=group, max_uses=5))["token"]
+    first = await fleet.device("cam-first", token=token)
+    canary = {"version": "1.1.0", "weight": 0.3, "max_error_rate": 0.5, "min_requests": 7}
+    policy = CanaryPolicy(weight=0.3, max_error_rate=0.5, min_requests=7)
+
+    answer = await fleet.deploy("digits", "1.0.0", selector={"group": group}, canary=canary)
+    assert (answer["deployment"]["canary_max_error_rate"],
+            answer["deployment"]["canary_min_requests"]) == (0.5, 7)
+    spec = (await fleet.desired(first)).models[0].canary
+    assert spec is not None and (spec.target.version, spec.policy) == ("1.1.0", policy)
+    # A device accepted later gets the standing deployment with its policy.
+    late = await fleet.device("cam-late", token=token)
+    spec = (await fleet.desired(late)).models[0].canary
+    assert spec is not None and spec.policy == policy
+    desired = (await fleet.get(f"/api/v1/devices/{fleet.id('cam-late')}/models"))["items"][0]
+    assert (desired["desired"]["canary_max_error_rate"],
+            desired["desired"]["canary_min_requests"]) == (0.5, 7)
+
+    # A canary given only its version gets the default policy, error budget included.
+    await fleet.deploy("digits", "1.0.0", selector={"group": group},
+                       canary={"version": "1.1.0"})
+    spec = (await fleet.desired(first, last_seq=1)).models[0].canary
+    assert spec is not None and spec.policy == DEFAULT_CANARY_POLICY
+    for bad in ({"min_requests": 0}, {"min_requests": DEFAULT_CANARY_POLICY.window + 1},
+                {"max_error_rate": 1.5}, {"window": 50}):
+        refused = await fleet.deploy("digits", "1.0.0", selector={"group": group}, status=400,
+                                     canary={"version": "1.1.0", **bad})
+        assert next(iter(bad)) in refused["error"], refused
 
 
 async def test_label_deploy_skips_devices_whose_profile_no_variant_fits(fleet: Fleet) -> None:
@@ -587,6 +621,33 @@ def test_cli_round_trip(cli_fleet: CliFleet) -> None:
     assert "desired seq 3" in models.stdout and "digits" not in models.stdout
     listed = json.loads(cli_fleet.run("deployments", "list", "--json").stdout)
     assert [d["action"] for d in listed] == ["undeploy", "deploy", "deploy"]
+
+
+def test_cli_deploy_sets_the_canary_policy(cli_fleet: CliFleet) -> None:
+    token = cli_fleet.run("tokens", "create").stdout.strip().splitlines()[-1]
+    body = orjson.dumps(envelope(PrivateKey.generate(), token, now=cli_fleet.clock(),
+                                 device_id="cam-2"))
+    request = urllib.request.Request(cli_fleet.url + "/api/v1/enroll", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert json.loads(response.read())["status"] == "accepted"
+
+    cli_fleet.run("deploy", "digits", "1.0.0", "--device", "cam-2", "--canary", "1.1.0",
+                  "--weight", "0.2", "--max-error-rate", "0.5", "--min-requests", "7")
+    signed = json.loads(cli_fleet.run("desired", "show", "cam-2", "--envelope").stdout)
+    director = KeyStore(cli_fleet.settings.data_dir / "keys").load("director").public_key
+    state = verify_desired_state(signed, [director], device_id="cam-2", last_seq=0,
+                                 now=cli_fleet.clock())
+    spec = state.models[0].canary
+    assert spec is not None
+    assert spec.policy == CanaryPolicy(weight=0.2, max_error_rate=0.5, min_requests=7)
+
+    usage = cli_fleet.run("deploy", "digits", "1.0.0", "--device", "cam-2",
+                          "--max-error-rate", "0.5", ok=False)
+    assert "--canary" in usage.output
+    usage = cli_fleet.run("deploy", "digits", "1.0.0", "--device", "cam-2", "--canary", "1.1.0",
+                          "--min-requests", "0", ok=False)
+    assert "--min-requests" in usage.output
 
 
 # ---------------------------------------------------------------------------- pure core
