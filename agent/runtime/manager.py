@@ -9,18 +9,16 @@ version finish there, and the old version is closed once it has drained.
 
 Routing, for each request: ``X-Model-Version`` pins a version; otherwise an enabled canary gets
 its weight of traffic, split by a hash of ``X-Request-Key`` (sticky) or at random; the rest goes
-to stable. A canary whose error rate over its last ``window`` results passes ``max_error_rate``
-(with at least ``min_samples`` results) is taken out of rotation, and a failed canary request is
-answered by stable instead.
+to stable. Each canary serves under its :class:`~shared.protocol.canary.CanaryPolicy`
+(:mod:`agent.runtime.canary`): one whose error rate over its last ``window`` results passes
+``max_error_rate`` (once the window holds at least ``min_requests`` results) is taken out of
+rotation, and a failed canary request is answered by stable instead.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import hashlib
 import logging
-import random
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from mcp_edge.agent.runtime.batcher import (
     DynamicBatcher,
     Priority,
 )
+from mcp_edge.agent.runtime.canary import CanaryState
 from mcp_edge.agent.runtime.checks import outputs_agree, warm_up
 from mcp_edge.agent.runtime.runner import (
     Array,
@@ -46,6 +45,7 @@ from mcp_edge.agent.runtime.runner import (
     RunnerInfo,
 )
 from mcp_edge.agent.serving.metrics import AgentMetrics
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 
 log = logging.getLogger("mcp.agent.runtime")
 
@@ -112,35 +112,6 @@ class LoadedVersion:
         await self.batcher.close(drain=True)
         for r in self.runners:
             r.close()
-
-
-@dataclass
-class CanaryState:
-    version: str
-    weight: float
-    max_error_rate: float = 0.05
-    window: int = 100
-    min_samples: int = 20
-    enabled: bool = True
-    results: collections.deque[bool] = field(default_factory=collections.deque)
-
-    def record(self, failed: bool) -> bool:
-        """Add one result; return True when this result takes the canary out of rotation."""
-        self.results.append(failed)
-        while len(self.results) > self.window:
-            self.results.popleft()
-        tripped = (
-            self.enabled
-            and len(self.results) >= self.min_samples
-            and self.error_rate > self.max_error_rate
-        )
-        if tripped:
-            self.enabled = False
-        return tripped
-
-    @property
-    def error_rate(self) -> float:
-        return sum(self.results) / len(self.results) if self.results else 0.0
 
 
 @dataclass
@@ -212,14 +183,15 @@ class ModelManager:
             raise ModelNotFoundError(f"model {name!r} is not loaded")
         return slot
 
-    def set_canary_weight(self, name: str, weight: float, max_error_rate: float) -> bool:
-        """Change the share and error budget of ``name``'s canary (one taken out of rotation
-        stays out); False when the model has no canary."""
+    def set_canary_policy(self, name: str, policy: CanaryPolicy) -> bool:
+        """Serve ``name``'s canary under ``policy`` from now on, keeping its latest results (one
+        taken out of rotation stays out); False when the model has no canary."""
         slot = self._slots.get(name)
         if slot is None or slot.canary is None:
             return False
-        slot.canary.weight, slot.canary.max_error_rate = weight, max_error_rate
-        self.metrics.canary_weight.labels(name).set(weight)
+        slot.canary.policy = policy
+        if slot.canary.enabled:
+            self.metrics.canary_weight.labels(name).set(policy.weight)
         return True
 
     def get(self, name: str, version: str | None = None) -> LoadedVersion:
@@ -240,10 +212,10 @@ class ModelManager:
         source: ModelSource,
         *,
         role: str = "stable",
-        canary_weight: float = 0.1,
-        max_error_rate: float = 0.05,
+        canary: CanaryPolicy = DEFAULT_CANARY_POLICY,
     ) -> LoadedVersion:
-        """Load, warm and check ``source``, then give it ``role`` (stable, canary or shadow).
+        """Load, warm and check ``source``, then give it ``role`` (stable, canary or shadow);
+        a canary serves under ``canary``, its policy.
 
         Loading ``stable`` over an existing stable is a hot swap. Raises
         :class:`ModelLoadError` (nothing changes) when the model does not load, does not fit in
@@ -276,7 +248,7 @@ class ModelManager:
         self.metrics.load_seconds.labels(source.name).observe(load_s)
         self.metrics.warmup_seconds.labels(source.name).observe(warmup_s)
         async with self._lock:
-            self._install(lv, role, canary_weight, max_error_rate)
+            self._install(lv, role, canary)
         log.info(
             "loaded %s %s as %s on %s/%s (load %.0f ms, warm-up %.0f ms)",
             source.name,
@@ -313,7 +285,7 @@ class ModelManager:
         observer = BatchObserver(on_batch=on_batch, on_queue_depth=depth.set)
         return DynamicBatcher(runners, self.batching, observer=observer, expected_run_s=run_s)
 
-    def _install(self, lv: LoadedVersion, role: str, weight: float, max_error_rate: float) -> None:
+    def _install(self, lv: LoadedVersion, role: str, policy: CanaryPolicy) -> None:
         slot = self._slots.setdefault(lv.name, ModelSlot(lv.name))
         slot.versions[lv.version] = lv
         replaced: str | None = None
@@ -328,8 +300,8 @@ class ModelManager:
             if slot.stable is None:
                 raise ModelLoadError(f"{lv.name}: load a stable version before a canary")
             replaced = slot.canary.version if slot.canary else None
-            slot.canary = CanaryState(lv.version, weight, max_error_rate)
-            self.metrics.canary_weight.labels(lv.name).set(weight)
+            slot.canary = CanaryState(lv.version, policy)
+            self.metrics.canary_weight.labels(lv.name).set(policy.weight)
         else:
             if slot.stable is None:
                 raise ModelLoadError(f"{lv.name}: load a stable version before a shadow")
@@ -410,14 +382,8 @@ class ModelManager:
         if version is not None:
             return self.get(name, version)
         canary = slot.canary
-        if canary is not None and canary.enabled and canary.weight > 0:
-            if request_key:
-                digest = hashlib.blake2b(request_key.encode(), digest_size=8).digest()
-                share = int.from_bytes(digest, "big") / 2**64
-            else:
-                share = random.random()
-            if share < canary.weight:
-                return slot.versions[canary.version]
+        if canary is not None and canary.takes(request_key):
+            return slot.versions[canary.version]
         return slot.versions[slot.stable or ""]
 
     async def infer(
@@ -480,7 +446,7 @@ class ModelManager:
                 canary.version,
                 canary.error_rate * 100,
                 len(canary.results),
-                canary.max_error_rate * 100,
+                canary.policy.max_error_rate * 100,
                 slot.stable,
             )
 

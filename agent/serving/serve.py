@@ -27,6 +27,7 @@ from mcp_edge.agent.serving.model_dir import (
 )
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.profiles import HardwareProfile
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 
 if TYPE_CHECKING:
     from mcp_edge.shared.signing import PublicKey
@@ -44,10 +45,11 @@ class Candidate:
 
 
 def parse_canary(text: str) -> Candidate:
-    """``FILE[:WEIGHT]`` (weight 0..1, default 0.1) → a canary candidate. Raises ValueError."""
+    """``FILE[:WEIGHT]`` (weight 0..1, default the canary policy's) → a canary candidate.
+    Raises ValueError."""
     path, _, weight = text.rpartition(":") if ":" in text else (text, "", "")
     try:
-        w = float(weight) if weight else 0.1
+        w = float(weight) if weight else DEFAULT_CANARY_POLICY.weight
     except ValueError:
         raise ValueError(f"--canary {text!r}: weight must be a number from 0 to 1") from None
     if not 0.0 <= w <= 1.0:
@@ -78,7 +80,7 @@ class ServeConfig:
     max_body: int = DEFAULT_MAX_BODY
     access_log: bool = False
     candidates: tuple[Candidate, ...] = ()
-    canary_max_error_rate: float = 0.05
+    canary_max_error_rate: float = DEFAULT_CANARY_POLICY.max_error_rate
 
 
 def default_state_dir() -> Path:
@@ -158,8 +160,8 @@ async def run_server(
             await manager.load(
                 source,
                 role=cand.role,
-                canary_weight=cand.weight,
-                max_error_rate=config.canary_max_error_rate,
+                canary=CanaryPolicy(weight=cand.weight,
+                                    max_error_rate=config.canary_max_error_rate),
             )
         if config.watch_interval_s:
             watcher = ModelDirectoryWatcher(
@@ -301,7 +303,8 @@ def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None
     "canaries",
     multiple=True,
     metavar="FILE[:WEIGHT]",
-    help="Serve FILE as a canary of the model it names, for WEIGHT of traffic (0.1).",
+    help="Serve FILE as a canary of the model it names, for WEIGHT of traffic "
+    f"({DEFAULT_CANARY_POLICY.weight}).",
 )
 @click.option(
     "--shadow",
@@ -313,10 +316,11 @@ def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None
 )
 @click.option(
     "--canary-max-error-rate",
-    default=0.05,
+    default=DEFAULT_CANARY_POLICY.max_error_rate,
     show_default=True,
     type=click.FloatRange(0, 1),
-    help="Canary error rate that takes it out of rotation.",
+    help="Canary error rate that takes it out of rotation (over its last "
+    f"{DEFAULT_CANARY_POLICY.window} requests, from {DEFAULT_CANARY_POLICY.min_requests} on).",
 )
 @click.option(
     "--watch-interval",

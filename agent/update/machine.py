@@ -24,9 +24,10 @@ from __future__ import annotations
 import enum
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.protocol.canary import CanaryPolicy
 from mcp_edge.shared.protocol.state import DeploymentPhase
 
 Phase = DeploymentPhase
@@ -154,8 +155,8 @@ class UpdateRecord(BaseModel):
     desired_seq: int = Field(ge=0)
     rollback: bool = False
     """The desired state marked this an explicit rollback (may go below the release counter)."""
-    canary_weight: float = Field(default=0.0, ge=0.0, le=1.0)
-    max_error_rate: float = Field(default=0.05, ge=0.0, le=1.0)
+    canary: CanaryPolicy | None = None
+    """The policy the version serves under as a canary (None in the other roles)."""
     phase: Phase = Phase.IDLE
     failed_phase: Phase | None = None
     """The working phase the deployment failed in (what the rollback has to undo)."""
@@ -167,6 +168,19 @@ class UpdateRecord(BaseModel):
     timings_ms: dict[str, float] = Field(default_factory=dict)
     cause: Cause | None = None
     error: str | None = Field(default=None, max_length=2048)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_canary_fields(cls, data: Any) -> Any:
+        # Records written before the policy was one value held its weight and error budget as
+        # two flat fields; a deployment interrupted across the upgrade resumes with them.
+        if isinstance(data, dict) and ("canary_weight" in data or "max_error_rate" in data):
+            data = dict(data)
+            flat = {"weight": data.pop("canary_weight", None),
+                    "max_error_rate": data.pop("max_error_rate", None)}
+            if data.get("role") == "canary" and data.get("canary") is None:
+                data["canary"] = {k: v for k, v in flat.items() if v is not None}
+        return data
 
     @property
     def terminal(self) -> bool:
@@ -237,13 +251,13 @@ def new_record(
     desired_seq: int,
     now: float,
     rollback: bool = False,
-    canary_weight: float = 0.0,
-    max_error_rate: float = 0.05,
+    canary: CanaryPolicy | None = None,
 ) -> UpdateRecord:
-    """A record in ``downloading``: a deployment that has just started."""
+    """A record in ``downloading``: a deployment that has just started (``canary``: the
+    policy of a canary deployment)."""
     idle = UpdateRecord(
         model=model, role=role, from_version=from_version, to_version=to_version,
         target_path=target_path, sha256=sha256, length=length, desired_seq=desired_seq,
-        rollback=rollback, canary_weight=canary_weight, max_error_rate=max_error_rate,
+        rollback=rollback, canary=canary,
     )  # fmt: skip
     return advance(idle, Trigger.START, now=now)

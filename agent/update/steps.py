@@ -50,6 +50,7 @@ from mcp_edge.shared.bundle import BundleManifest, open_bundle
 from mcp_edge.shared.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME
 from mcp_edge.shared.errors import BundleError, SigningError, VersionError
 from mcp_edge.shared.profiles import HardwareProfile
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY
 from mcp_edge.shared.protocol.state import EventOutcome
 from mcp_edge.shared.version import SemVer
 
@@ -330,8 +331,7 @@ class DeploymentRunner:
         source = installed_source(self.store, info)
         try:
             lv = await self.manager.load(source, role=record.role,
-                                         canary_weight=record.canary_weight,
-                                         max_error_rate=record.max_error_rate)  # fmt: skip
+                                         canary=record.canary or DEFAULT_CANARY_POLICY)  # fmt: skip
         except RunnerError as e:
             raise UpdateError(Cause.LOAD_FAILED, str(e)) from e
         self.emit(record, Phase.LOADING, EventOutcome.PROGRESS,
@@ -363,8 +363,7 @@ class DeploymentRunner:
             if index.shadow == version:
                 index = index.model_copy(update={"shadow": None})
         elif record.role == "canary":
-            ref = CanaryRef(version=version, weight=record.canary_weight,
-                            max_error_rate=record.max_error_rate)  # fmt: skip
+            ref = CanaryRef(version=version, policy=record.canary or DEFAULT_CANARY_POLICY)
             index = index.model_copy(update={"canary": ref})
         else:
             index = index.model_copy(update={"shadow": version})

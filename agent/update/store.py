@@ -30,10 +30,11 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mcp_edge.agent.update.machine import Cause, UpdateError, UpdateRecord
 from mcp_edge.shared.fsutil import atomic_write_bytes, fsync_dir
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 
 log = logging.getLogger("mcp.agent.update")
 
@@ -77,9 +78,21 @@ class InstallInfo(_Stored):
 
 
 class CanaryRef(_Stored):
+    """The committed canary of a model: its version and the policy it serves under."""
+
     version: str
-    weight: float = Field(ge=0.0, le=1.0)
-    max_error_rate: float = Field(default=0.05, ge=0.0, le=1.0)
+    policy: CanaryPolicy = DEFAULT_CANARY_POLICY
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_policy(cls, data: Any) -> Any:
+        # Indexes written before the policy was one value held ``weight`` and
+        # ``max_error_rate`` beside ``version``.
+        if isinstance(data, dict) and "policy" not in data:
+            flat = {k: data[k] for k in ("weight", "max_error_rate") if k in data}
+            if flat:
+                data = {**{k: v for k, v in data.items() if k not in flat}, "policy": flat}
+        return data
 
 
 class ModelIndex(_Stored):

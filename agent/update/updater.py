@@ -55,6 +55,7 @@ from mcp_edge.agent.update.tuf_client import TufClient, load_bootstrap_root
 from mcp_edge.shared.errors import ExpiredError, McpError, ReplayError, SigningError
 from mcp_edge.shared.fsutil import atomic_write_bytes
 from mcp_edge.shared.profiles import HardwareProfile
+from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 from mcp_edge.shared.protocol.state import (
     DeploymentEvent,
     DesiredModel,
@@ -273,10 +274,9 @@ class UpdateAgent:
         if model.canary is not None:
             c = model.canary
             if index.canary is not None and index.canary.version == c.target.version:
-                self._set_canary_weight(model.name, c.weight, c.max_error_rate)
+                self._set_canary_policy(model.name, c.policy)
             else:
-                await self._deploy(model.name, "canary", c.target, seq, weight=c.weight,
-                                   max_error_rate=c.max_error_rate,
+                await self._deploy(model.name, "canary", c.target, seq, canary=c.policy,
                                    rollback=model.rollback)  # fmt: skip
         elif index.canary is not None:
             await self._drop_role(model.name, index.canary.version, "canary")
@@ -296,7 +296,7 @@ class UpdateAgent:
 
     async def _deploy(
         self, name: str, role: str, target: TargetRef, seq: int, *, rollback: bool = False,
-        weight: float = 0.0, max_error_rate: float = 0.05,
+        canary: CanaryPolicy | None = None,
     ) -> UpdateRecord | None:  # fmt: skip
         current = self._current(name, role)
         info = self.store.installed(name, target.version)
@@ -308,8 +308,7 @@ class UpdateAgent:
         record = new_record(
             model=name, role=role, from_version=current, to_version=target.version,
             target_path=target.target_path, sha256=target.sha256, length=target.length,
-            desired_seq=seq, now=self.clock(), rollback=rollback, canary_weight=weight,
-            max_error_rate=max_error_rate,
+            desired_seq=seq, now=self.clock(), rollback=rollback, canary=canary,
         )  # fmt: skip
         log.info("deploying %s %s as %s (from %s)", name, target.version, role, current or "nothing")
         self.recorder.record(record, Phase.IDLE, EventOutcome.PROGRESS,
@@ -319,11 +318,12 @@ class UpdateAgent:
         await self._report()
         return result
 
-    def _set_canary_weight(self, name: str, weight: float, max_error_rate: float) -> None:
-        self.manager.set_canary_weight(name, weight, max_error_rate)
+    def _set_canary_policy(self, name: str, policy: CanaryPolicy) -> None:
+        """The same canary under another policy: applied in place, no new deployment."""
+        self.manager.set_canary_policy(name, policy)
         index = self.store.index(name)
-        if index.canary is not None:
-            ref = index.canary.model_copy(update={"weight": weight, "max_error_rate": max_error_rate})
+        if index.canary is not None and index.canary.policy != policy:
+            ref = index.canary.model_copy(update={"policy": policy})
             self.store.save_index(index.model_copy(update={"canary": ref}))
 
     async def _drop_role(self, name: str, version: str, role: str) -> None:
@@ -381,8 +381,8 @@ class UpdateAgent:
                 continue
             try:
                 source = installed_source(self.store, info)
-                weight = index.canary.weight if index.canary and role == "canary" else 0.0
-                await self.manager.load(source, role=role, canary_weight=weight)
+                policy = index.canary.policy if index.canary else DEFAULT_CANARY_POLICY
+                await self.manager.load(source, role=role, canary=policy)
             except (RunnerError, UpdateError) as e:
                 log.error("%s %s (%s) does not load: %s", name, version, role, e)
 

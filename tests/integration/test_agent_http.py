@@ -24,6 +24,7 @@ from mcp_edge.agent.serving.http_api import build_app
 from mcp_edge.agent.serving.model_dir import ModelDirectory, ModelDirectoryWatcher
 from mcp_edge.shared.bundle import build_bundle, sign_bundle
 from mcp_edge.shared.profiles import load_profiles
+from mcp_edge.shared.protocol.canary import CanaryPolicy
 from mcp_edge.shared.signing import PrivateKey
 from mcp_edge.tooling.models import DigitsModels, make_digits_models, onnx_predict
 from tests.support.runners import DoublingRunner, FailingAfterWarmup
@@ -225,7 +226,7 @@ async def test_canary_that_fails_is_taken_out_and_stable_answers(
 
     client, manager, *_ = await serve(models, factory=factory)
     await manager.load(ModelSource("digits", "9.9.9", digits.onnx_path), role="canary",
-                       canary_weight=0.5)
+                       canary=CanaryPolicy(weight=0.5))
     broken[0].armed = True
     x = digits.X_test[:1].astype(np.float32)
     answered = []
@@ -255,7 +256,8 @@ async def test_sticky_canary_routing_and_shadow_agreement(
     models.mkdir()
     shutil.copy(digits.onnx_path, models / "digits.onnx")
     client, manager, *_ = await serve(models)
-    await manager.load(ModelSource("digits", "2", other.onnx_path), role="canary", canary_weight=0.5)
+    await manager.load(ModelSource("digits", "2", other.onnx_path), role="canary",
+                       canary=CanaryPolicy(weight=0.5))
     x = digits.X_test[:1].astype(np.float32)
     seen: dict[str, set[str]] = {}
     for i in range(40):

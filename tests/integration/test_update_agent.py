@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,8 @@ from tuf.api.exceptions import DownloadError
 
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool
-from mcp_edge.agent.runtime.manager import ModelManager
+from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
+from mcp_edge.agent.runtime.runner import ModelRunner
 from mcp_edge.agent.serving.serve import runner_factory
 from mcp_edge.agent.update.machine import Cause, Phase
 from mcp_edge.agent.update.steps import RetryPolicy
@@ -41,6 +42,7 @@ from mcp_edge.controlplane.mqtt import BrokerAddress
 from mcp_edge.controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
 from mcp_edge.shared.errors import ExpiredError, ReplayError, SigningError
 from mcp_edge.shared.profiles import HardwareProfile
+from mcp_edge.shared.protocol.canary import CanaryPolicy
 from mcp_edge.shared.protocol.state import (
     CanarySpec,
     DeploymentEvent,
@@ -52,6 +54,7 @@ from mcp_edge.shared.protocol.state import (
 from mcp_edge.shared.signing import PrivateKey
 from mcp_edge.tooling.models import DigitsModels, onnx_predict
 from mcp_edge.tooling.mosquitto import MosquittoBroker
+from tests.support.runners import FailingAfterWarmup
 from tests.support.tuf import DEVICE, SignedRepo, make_bundle, update_profile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -273,6 +276,58 @@ async def test_the_same_bundle_offered_twice_is_a_no_op(env: Env) -> None:
     assert manager.get("digits").version == "1.0.0"
 
 
+async def test_canary_is_judged_by_the_policy_of_its_desired_state(file_env: Env) -> None:
+    env = file_env
+    failing: dict[str, list[FailingAfterWarmup]] = {}
+    real = runner_factory(update_profile(), workers=1, threads=1, backend=None)
+
+    def factory(source: ModelSource) -> Sequence[ModelRunner]:
+        if source.version == "1.0.0":
+            return real(source)
+        failing[source.version] = [FailingAfterWarmup(r) for r in real(source)]
+        return failing[source.version]
+
+    manager = ModelManager(factory)
+    env.managers.append(manager)
+    agent, _, _ = env.agent(manager=manager)
+    await agent.resume()
+    stable = env.publish("1.0.0")
+    await agent.handle_desired(env.desired(1, stable))
+
+    async def until_out_of_rotation(version: str) -> int:
+        """Requests the canary took before it left rotation; every one answered by stable."""
+        taken = 0
+        while manager.route("digits").version == version:
+            assert (await answer(manager, env.digits))[0] == "1.0.0"
+            taken += 1
+            assert taken <= 100, "the canary never left rotation"
+        return taken
+
+    # min_requests 30 (not the default 20): a canary that fails every request is judged only
+    # once its window holds 30 requests (the deployment's probe request among them).
+    policy = CanaryPolicy(weight=1.0, max_error_rate=0.5, min_requests=30)
+    await agent.handle_desired(env.desired(2, stable, canary=CanarySpec.of(
+        env.publish("1.1.0"), policy)))
+    probes = len(manager.slot("digits").canary.results)
+    failing["1.1.0"][0].armed = True
+    assert await until_out_of_rotation("1.1.0") == 30 - probes
+
+    # max_error_rate 0.5 (not the default 0.05): after 20 good requests the canary stays in
+    # until more than half of its window failed.
+    await agent.handle_desired(env.desired(3, stable, canary=CanarySpec.of(
+        env.publish("1.2.0"), policy)))
+    for _ in range(20):
+        assert (await answer(manager, env.digits))[0] == "1.2.0"
+    good = len(manager.slot("digits").canary.results)
+    failing["1.2.0"][0].armed = True
+    assert await until_out_of_rotation("1.2.0") == good + 1
+
+    # The policy is committed with the canary: a restarted agent serves it under the same one.
+    again, restarted, _ = env.agent()
+    await again.resume()
+    assert restarted.slot("digits").canary.policy == policy
+
+
 async def test_canary_beside_stable_then_removed(env: Env) -> None:
     agent, manager, sink = await installed_v1(env)
     v1 = agent.store.installed("digits", "1.0.0")
@@ -286,13 +341,16 @@ async def test_canary_beside_stable_then_removed(env: Env) -> None:
     assert (await answer(manager, env.digits))[0] == "1.1.0"
     assert agent.store.index("digits").canary is not None
 
-    # the same canary with a weight of 0: no download, every answer from stable
+    # the same canary under another policy (a weight of 0): no download, applied in place and
+    # committed, every answer from stable
     before = len(sink.events)
+    policy = CanaryPolicy(weight=0.0, max_error_rate=0.5, min_requests=7)
     await agent.handle_desired(env.repo.desired(3, [DesiredModel(
-        name="digits", stable=stable, canary=CanarySpec(target=canary.target, weight=0.0))]))
+        name="digits", stable=stable, canary=CanarySpec.of(canary.target, policy))]))
     assert len(sink.events) == before
     assert {(await answer(manager, env.digits))[0] for _ in range(20)} == {"1.0.0"}
-    assert agent.store.index("digits").canary.weight == 0.0
+    assert agent.store.index("digits").canary.policy == policy
+    assert manager.slot("digits").canary.policy == policy
 
     await agent.handle_desired(env.desired(4, stable))
     assert (await answer(manager, env.digits))[0] == "1.0.0"
