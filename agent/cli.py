@@ -29,9 +29,7 @@ def profiles_cmd(as_json: bool) -> None:
     """List the hardware profiles this agent ships with and their backend order."""
     profiles = load_profiles()
     if as_json:
-        click.echo(
-            json.dumps({n: p.to_dict() for n, p in profiles.items()}, indent=2)
-        )
+        click.echo(json.dumps({n: p.to_dict() for n, p in profiles.items()}, indent=2))
         return
     width = max(len(n) for n in profiles)
     for name, p in profiles.items():

@@ -22,21 +22,45 @@ def _labels(values: tuple[str, ...]) -> dict[str, str]:
 
 
 @click.command("enroll")
-@click.option("--server", required=True, envvar="MCP_SERVER",
-              help="Control plane URL, e.g. https://cp.example:8080.")
+@click.option(
+    "--server",
+    required=True,
+    envvar="MCP_SERVER",
+    help="Control plane URL, e.g. https://cp.example:8080.",
+)
 @click.option("--token", required=True, envvar="MCP_ENROLL_TOKEN", help="Enrollment token.")
-@click.option("--labels", "labels", multiple=True, metavar="KEY=VALUE",
-              help="Labels for this device (repeatable).")
+@click.option(
+    "--labels",
+    "labels",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Labels for this device (repeatable).",
+)
 @click.option("--device-id", default=None, help="Ask for this device id (default: assigned).")
 @click.option("--profile", default=None, help="Hardware profile instead of detecting one.")
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where the identity and credentials live (default: /var/lib/mcp-agent).")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the identity and credentials live (default: /var/lib/mcp-agent).",
+)
 @click.option("--force", is_flag=True, help="Enroll again even if this device is enrolled.")
-@click.option("--wait", "wait_s", default=0.0, type=click.FloatRange(0, 86_400),
-              help="Seconds to wait for a manual approval.")
+@click.option(
+    "--wait",
+    "wait_s",
+    default=0.0,
+    type=click.FloatRange(0, 86_400),
+    help="Seconds to wait for a manual approval.",
+)
 def enroll_command(
-    server: str, token: str, labels: tuple[str, ...], device_id: str | None,
-    profile: str | None, state_dir: Path | None, force: bool, wait_s: float,
+    server: str,
+    token: str,
+    labels: tuple[str, ...],
+    device_id: str | None,
+    profile: str | None,
+    state_dir: Path | None,
+    force: bool,
+    wait_s: float,
 ) -> None:
     """Join a fleet: create this device's key, prove it to the control plane, store the answer.
 
@@ -56,11 +80,19 @@ def enroll_command(
     try:
         facts = collect_facts()
         choice = select_profile(facts, load_profiles(), override=profile)
-        answer = asyncio.run(enroll(
-            server, token, state_dir=state, profile=choice.profile.name,
-            facts=facts.to_dict(), labels=_labels(labels), device_id=device_id,
-            force=force, wait_s=wait_s,
-        ))
+        answer = asyncio.run(
+            enroll(
+                server,
+                token,
+                state_dir=state,
+                profile=choice.profile.name,
+                facts=facts.to_dict(),
+                labels=_labels(labels),
+                device_id=device_id,
+                force=force,
+                wait_s=wait_s,
+            )
+        )
     except AlreadyEnrolled as e:
         click.echo(str(e))
         return

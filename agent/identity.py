@@ -86,4 +86,3 @@ def load_enrollment(state_dir: Path) -> Enrollment | None:
     except (ValueError, KeyError, TypeError, MessageError) as e:
         raise IdentityError(f"{path}: not a valid enrollment record ({e})") from e
     return Enrollment(server, answer)
-

@@ -98,10 +98,12 @@ async def _cp_server(args: argparse.Namespace) -> None:
     from mcp_edge.controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
 
     service = RepoMqttService(Path(args.repo), ControlPlaneMetrics())
-    await service.start(RepoConnection(
-        BrokerAddress(HOST, args.port),
-        Credentials(username="svc-bench", password="unused", client_id="cp-bench-repo"),
-    ))
+    await service.start(
+        RepoConnection(
+            BrokerAddress(HOST, args.port),
+            Credentials(username="svc-bench", password="unused", client_id="cp-bench-repo"),
+        )
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -51,7 +51,7 @@ GOAL_MIB = 100.0
 REQUESTS = 200
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
-FLOOR = textwrap.dedent('''
+FLOOR = textwrap.dedent("""
     import asyncio, sys
     import uvloop, onnxruntime as ort, paho.mqtt.client as mqtt
     from aiohttp import web
@@ -74,7 +74,7 @@ FLOOR = textwrap.dedent('''
         print("ready", flush=True)
         await asyncio.Event().wait()
     uvloop.run(main())
-''')
+""")
 
 
 def rss_mib(pid: int) -> float:
@@ -82,16 +82,27 @@ def rss_mib(pid: int) -> float:
 
 
 def infer_body(x: Any) -> bytes:
-    return json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
-                                   "data": [float(v) for v in x]}]}).encode()
+    return json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": [1, 64],
+                    "datatype": "FP32",
+                    "data": [float(v) for v in x],
+                }
+            ]
+        }
+    ).encode()
 
 
 def load(port: int, body: bytes) -> None:
     """``REQUESTS`` sequential inference requests (this bench measures memory, not speed)."""
     url = f"http://127.0.0.1:{port}/v2/models/digits/infer"
     for _ in range(REQUESTS):
-        request = urllib.request.Request(url, data=body,
-                                         headers={"Content-Type": "application/json"})
+        request = urllib.request.Request(
+            url, data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=10) as answer:
             assert answer.status == 200
 
@@ -128,18 +139,34 @@ def run(work: Path) -> dict[str, Any]:
         # 1. the floor
         port = free_port()
         floor = subprocess.Popen(
-            [sys.executable, "-c", FLOOR, str(model), str(port), str(broker.port),
-             broker.admin_username, broker.admin_password],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-c",
+                FLOOR,
+                str(model),
+                str(port),
+                str(broker.port),
+                broker.admin_username,
+                broker.admin_password,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         procs.append(floor)
         assert floor.stdout is not None and floor.stdout.readline().strip() == "ready"
         result["floor"] = {"rss_mib_ready": rss_mib(floor.pid)}
 
         # 2. mcp-agent serve
         port = free_port()
-        serve = subprocess.Popen([*AGENT, "serve", "--model-path", str(model), "--port", str(port)],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                 cwd=REPO, env=ENV)
+        serve = subprocess.Popen(
+            [*AGENT, "serve", "--model-path", str(model), "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=ENV,
+        )
         procs.append(serve)
         wait_until(lambda: ready(port), "mcp-agent serve ready", 60)
         result["serve"] = {"rss_mib_ready": rss_mib(serve.pid)}
@@ -149,26 +176,86 @@ def run(work: Path) -> dict[str, Any]:
 
         # 3. mcp-agent run, enrolled
         data = work / "cp"
-        token = cli(*CONTROLPLANE, "init", "--data-dir", str(data), "--broker-url", url,
-                    "--broker-admin-url", url, "--broker-admin-user", broker.admin_username,
-                    "--broker-admin-password-file", str(secret), "--admin-user", "admin",
-                    "--admin-password-file", str(admin_pw))
-        cp = subprocess.Popen([*CONTROLPLANE, "serve", "--data-dir", str(data), "--listen",
-                               f"127.0.0.1:{free_port()}"], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=ENV)
+        token = cli(
+            *CONTROLPLANE,
+            "init",
+            "--data-dir",
+            str(data),
+            "--broker-url",
+            url,
+            "--broker-admin-url",
+            url,
+            "--broker-admin-user",
+            broker.admin_username,
+            "--broker-admin-password-file",
+            str(secret),
+            "--admin-user",
+            "admin",
+            "--admin-password-file",
+            str(admin_pw),
+        )
+        cp = subprocess.Popen(
+            [
+                *CONTROLPLANE,
+                "serve",
+                "--data-dir",
+                str(data),
+                "--listen",
+                f"127.0.0.1:{free_port()}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=REPO,
+            env=ENV,
+        )
         procs.append(cp)
         assert cp.stdout is not None
         cp_url = cp.stdout.readline().strip()
-        enroll_token = cli(*CONTROLPLANE, "tokens", "create", "--uses", "1", "--expires", "1h",
-                           "--server", cp_url, "--token", token)
+        enroll_token = cli(
+            *CONTROLPLANE,
+            "tokens",
+            "create",
+            "--uses",
+            "1",
+            "--expires",
+            "1h",
+            "--server",
+            cp_url,
+            "--token",
+            token,
+        )
         state = work / "agent"
-        cli(*AGENT, "enroll", "--server", cp_url, "--token", enroll_token,
-            "--device-id", "bench-cam", "--state-dir", str(state))
+        cli(
+            *AGENT,
+            "enroll",
+            "--server",
+            cp_url,
+            "--token",
+            enroll_token,
+            "--device-id",
+            "bench-cam",
+            "--state-dir",
+            str(state),
+        )
         port = free_port()
         agent = subprocess.Popen(
-            [*AGENT, "run", "--model-path", str(model), "--port", str(port),
-             "--state-dir", str(state)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO, env=ENV)
+            [
+                *AGENT,
+                "run",
+                "--model-path",
+                str(model),
+                "--port",
+                str(port),
+                "--state-dir",
+                str(state),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=ENV,
+        )
         procs.append(agent)
 
         def online() -> bool:
@@ -208,12 +295,20 @@ def main(argv: list[str] | None = None) -> int:
         "units": "MiB (VmRSS)",
         **measured,
         "ratios": [
-            {"name": "run_rss_mib_after_load", "value": run_rss, "goal": f"<= {GOAL_MIB}",
-             "pass": run_rss <= GOAL_MIB},
-            {"name": "run_over_serve", "value": round(run_rss / measured["serve"]
-                                                      ["rss_mib_after_load"], 2)},
-            {"name": "run_over_floor", "value": round(run_rss / measured["floor"]
-                                                      ["rss_mib_ready"], 2)},
+            {
+                "name": "run_rss_mib_after_load",
+                "value": run_rss,
+                "goal": f"<= {GOAL_MIB}",
+                "pass": run_rss <= GOAL_MIB,
+            },
+            {
+                "name": "run_over_serve",
+                "value": round(run_rss / measured["serve"]["rss_mib_after_load"], 2),
+            },
+            {
+                "name": "run_over_floor",
+                "value": round(run_rss / measured["floor"]["rss_mib_ready"], 2),
+            },
         ],
     }
     text = json.dumps(report, indent=2)

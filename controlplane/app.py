@@ -135,8 +135,9 @@ class UnconfiguredProvisioner:
         return None
 
     async def disable_app_client(self, client_id: str) -> None:
-        log.warning("no broker provisioner: app client %s is revoked in the database only",
-                    client_id)
+        log.warning(
+            "no broker provisioner: app client %s is revoked in the database only", client_id
+        )
 
     async def delete_app_client(self, client_id: str) -> None:
         return None
@@ -168,8 +169,12 @@ async def readyz(request: web.Request) -> web.Response:
             "; ".join(f"broker session {s.name}: {s.problem}" for s in down),
         )
     return json_response(
-        Health(status="ready", version=__version__, database=db.url.get_backend_name(),
-               schema_revision=revision)
+        Health(
+            status="ready",
+            version=__version__,
+            database=db.url.get_backend_name(),
+            schema_revision=revision,
+        )
     )
 
 
@@ -267,26 +272,63 @@ async def device_events(request: web.Request) -> web.Response:
 
 def _telemetry_endpoints() -> list[Endpoint]:
     return [
-        Endpoint("GET", "/api/v1/devices/{device_id}/health", device_health,
-                 "Recent health samples of a device, oldest first", Role.VIEWER, "telemetry",
-                 query=HealthQuery, response=HealthList),
-        Endpoint("GET", "/api/v1/devices/{device_id}/events", device_events,
-                 "Deployment events of a device, by event_seq", Role.VIEWER, "telemetry",
-                 query=EventsQuery, response=EventList),
+        Endpoint(
+            "GET",
+            "/api/v1/devices/{device_id}/health",
+            device_health,
+            "Recent health samples of a device, oldest first",
+            Role.VIEWER,
+            "telemetry",
+            query=HealthQuery,
+            response=HealthList,
+        ),
+        Endpoint(
+            "GET",
+            "/api/v1/devices/{device_id}/events",
+            device_events,
+            "Deployment events of a device, by event_seq",
+            Role.VIEWER,
+            "telemetry",
+            query=EventsQuery,
+            response=EventList,
+        ),
     ]
 
 
 def _infrastructure() -> list[Endpoint]:
     return [
         Endpoint("GET", "/healthz", healthz, "Liveness", None, "operations", response=Health),
-        Endpoint("GET", "/readyz", readyz, "Readiness (database reachable and migrated)", None,
-                 "operations", response=Health,
-                 answers={503: "not ready: the database is unreachable or not migrated, or a "
-                          "broker session is not logged in"}),
-        Endpoint("GET", "/metrics", metrics_endpoint, "Prometheus metrics", None, "operations",
-                 media_type="text/plain"),
-        Endpoint("GET", "/api/v1/openapi.json", openapi_document, "This API's OpenAPI document",
-                 None, "operations", media_type="application/json"),
+        Endpoint(
+            "GET",
+            "/readyz",
+            readyz,
+            "Readiness (database reachable and migrated)",
+            None,
+            "operations",
+            response=Health,
+            answers={
+                503: "not ready: the database is unreachable or not migrated, or a "
+                "broker session is not logged in"
+            },
+        ),
+        Endpoint(
+            "GET",
+            "/metrics",
+            metrics_endpoint,
+            "Prometheus metrics",
+            None,
+            "operations",
+            media_type="text/plain",
+        ),
+        Endpoint(
+            "GET",
+            "/api/v1/openapi.json",
+            openapi_document,
+            "This API's OpenAPI document",
+            None,
+            "operations",
+            media_type="application/json",
+        ),
     ]
 
 
@@ -316,8 +358,13 @@ def create_app(
     repository = RepositoryService(settings, db, clock)
     trust = trust or repository
     app[SERVICES] = Services(
-        settings=settings, db=db, provisioner=provisioner, clock=clock,
-        hasher=PasswordHasher(settings.password_cost), trust=trust, metrics=metrics,
+        settings=settings,
+        db=db,
+        provisioner=provisioner,
+        clock=clock,
+        hasher=PasswordHasher(settings.password_cost),
+        trust=trust,
+        metrics=metrics,
     )
     endpoints = [*all_endpoints(), *_telemetry_endpoints(), *_infrastructure()]
     for ep in endpoints:
@@ -369,8 +416,7 @@ def create_app(
     else:
         log.info("no broker configured: telemetry ingestion is off")
     deployments = DeploymentService(db, KeyStore(settings.data_dir / "keys"), None, clock, settings)
-    attach_deployments(app, deployments, broker=ingest, provisioner=provisioner,
-                       sessions=sessions)
+    attach_deployments(app, deployments, broker=ingest, provisioner=provisioner, sessions=sessions)
     app[ENROLLMENT] = EnrollmentService(
         db, provisioner, trust, settings, clock, metrics, deployments=deployments
     )

@@ -51,6 +51,11 @@ async def record(
 ) -> None:
     """Add one entry to the transaction ``tx`` (committed or rolled back with it)."""
     await audit_queries.insert_entry(
-        tx, at=at, actor=actor, action=action.value, target_type=target_type,
-        target_id=str(target_id), detail=detail,
+        tx,
+        at=at,
+        actor=actor,
+        action=action.value,
+        target_type=target_type,
+        target_id=str(target_id),
+        detail=detail,
     )

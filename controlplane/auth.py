@@ -105,16 +105,20 @@ def secret_digest(token: str) -> str:
 def issue_secret(kind_prefix: str) -> IssuedSecret:
     """A new random token starting with ``kind_prefix``."""
     token = kind_prefix + secrets.token_urlsafe(32)
-    return IssuedSecret(token=token, digest=secret_digest(token), prefix=token[:DISPLAY_PREFIX_CHARS])
+    return IssuedSecret(
+        token=token, digest=secret_digest(token), prefix=token[:DISPLAY_PREFIX_CHARS]
+    )
 
 
 _LIMITS = {
     PasswordCost.MIN: (nacl.pwhash.argon2id.OPSLIMIT_MIN, nacl.pwhash.argon2id.MEMLIMIT_MIN),
     PasswordCost.INTERACTIVE: (
-        nacl.pwhash.argon2id.OPSLIMIT_INTERACTIVE, nacl.pwhash.argon2id.MEMLIMIT_INTERACTIVE,
+        nacl.pwhash.argon2id.OPSLIMIT_INTERACTIVE,
+        nacl.pwhash.argon2id.MEMLIMIT_INTERACTIVE,
     ),
     PasswordCost.MODERATE: (
-        nacl.pwhash.argon2id.OPSLIMIT_MODERATE, nacl.pwhash.argon2id.MEMLIMIT_MODERATE,
+        nacl.pwhash.argon2id.OPSLIMIT_MODERATE,
+        nacl.pwhash.argon2id.MEMLIMIT_MODERATE,
     ),
 }
 
@@ -140,9 +144,7 @@ class PasswordHasher:
     def verify_sync(password_hash: str, password: str) -> bool:
         """True when ``password`` matches; False for a wrong password or a malformed hash."""
         try:
-            return bool(
-                nacl.pwhash.verify(password_hash.encode("ascii"), password.encode("utf-8"))
-            )
+            return bool(nacl.pwhash.verify(password_hash.encode("ascii"), password.encode("utf-8")))
         except (nacl.exceptions.InvalidkeyError, nacl.exceptions.CryptoError, ValueError):
             return False
 
@@ -153,9 +155,7 @@ class PasswordHasher:
     async def verify(self, password_hash: str | None, password: str) -> bool:
         """Check a password off the event loop; ``password_hash`` None checks a decoy."""
         async with self._slots:
-            ok = await asyncio.to_thread(
-                self.verify_sync, password_hash or self._decoy, password
-            )
+            ok = await asyncio.to_thread(self.verify_sync, password_hash or self._decoy, password)
         return ok and password_hash is not None
 
 

@@ -85,12 +85,20 @@ async def initialize(
         try:
             async with db.transaction() as tx:
                 user = await user_q.create_user(
-                    tx, username=username, password_hash=password_hash, role=Role.ADMIN.value,
+                    tx,
+                    username=username,
+                    password_hash=password_hash,
+                    role=Role.ADMIN.value,
                     now=now,
                 )
                 await audit.record(
-                    tx, at=now, actor=SYSTEM_ACTOR, action=AuditAction.USER_CREATED,
-                    target_type="user", target_id=username, detail={"role": "admin"},
+                    tx,
+                    at=now,
+                    actor=SYSTEM_ACTOR,
+                    action=AuditAction.USER_CREATED,
+                    target_type="user",
+                    target_id=username,
+                    detail={"role": "admin"},
                 )
                 created = await issue_api_token(
                     tx, user, name="init", actor=SYSTEM_ACTOR, expires_in=None, now=now
@@ -98,7 +106,9 @@ async def initialize(
         except ConflictError as e:
             raise InitError(f"user {username!r} already exists") from e
         return InitResult(
-            revision=revision, config_written=config_written, admin=username,
+            revision=revision,
+            config_written=config_written,
+            admin=username,
             api_token=created.token,
         )
     finally:

@@ -229,27 +229,59 @@ class DeploymentService:
                 raise DeploymentConflictError(skipped[selector.device_id])
             ids = [d.id for d in fits]
             await self._refuse_downgrades(
-                tx, model, {"stable": versions[version],
-                            **({"canary": versions[canary[0]]} if canary else {}),
-                            **({"shadow": versions[shadow]} if shadow else {})},
-                ids, rollback,
+                tx,
+                model,
+                {
+                    "stable": versions[version],
+                    **({"canary": versions[canary[0]]} if canary else {}),
+                    **({"shadow": versions[shadow]} if shadow else {}),
+                },
+                ids,
+                rollback,
             )
             deployment = await q.insert_deployment(
-                tx, action=DEPLOY, model=model, version=version, device_id=selector.device_id,
-                group_name=selector.group, labels=dict(selector.labels) if selector.labels else None,
-                canary_version=canary[0] if canary else None, **policy, shadow_version=shadow,
-                rollback=rollback, created_by=actor, created_at=now, devices_matched=len(ids),
+                tx,
+                action=DEPLOY,
+                model=model,
+                version=version,
+                device_id=selector.device_id,
+                group_name=selector.group,
+                labels=dict(selector.labels) if selector.labels else None,
+                canary_version=canary[0] if canary else None,
+                **policy,
+                shadow_version=shadow,
+                rollback=rollback,
+                created_by=actor,
+                created_at=now,
+                devices_matched=len(ids),
             )
             for device_id in ids:
-                await q.put_device_model(tx, DeviceModelView(
-                    device_id=device_id, model=model, stable_version=version,
-                    canary_version=canary[0] if canary else None, **policy,
-                    shadow_version=shadow, rollback=rollback, deployment_id=deployment.id,
-                ), now=now)
+                await q.put_device_model(
+                    tx,
+                    DeviceModelView(
+                        device_id=device_id,
+                        model=model,
+                        stable_version=version,
+                        canary_version=canary[0] if canary else None,
+                        **policy,
+                        shadow_version=shadow,
+                        rollback=rollback,
+                        deployment_id=deployment.id,
+                    ),
+                    now=now,
+                )
             seqs = await self._issue(tx, ids, now, key)
             await self._audit(tx, now, actor, "deployment.created", deployment, skipped)
-        log.info("deployment %d: %s %s to %s: %d device(s), %d skipped, by %s", deployment.id,
-                 model, version, selector.describe(), len(ids), len(skipped), actor)
+        log.info(
+            "deployment %d: %s %s to %s: %d device(s), %d skipped, by %s",
+            deployment.id,
+            model,
+            version,
+            selector.describe(),
+            len(ids),
+            len(skipped),
+            actor,
+        )
         return Outcome(deployment, await self._publish_issued(seqs), skipped, self.publishes)
 
     async def undeploy(self, model: str, selector: Selector, *, actor: str) -> Outcome:
@@ -276,15 +308,29 @@ class DeploymentService:
                 )
                 ids = [d.id for d in labelled if d.id in having]
             deployment = await q.insert_deployment(
-                tx, action=UNDEPLOY, model=model, version=None, device_id=selector.device_id,
-                group_name=selector.group, labels=dict(selector.labels) if selector.labels else None,
-                rollback=False, created_by=actor, created_at=now, devices_matched=len(ids),
+                tx,
+                action=UNDEPLOY,
+                model=model,
+                version=None,
+                device_id=selector.device_id,
+                group_name=selector.group,
+                labels=dict(selector.labels) if selector.labels else None,
+                rollback=False,
+                created_by=actor,
+                created_at=now,
+                devices_matched=len(ids),
             )
             await q.remove_device_models(tx, model, ids)
             seqs = await self._issue(tx, ids, now, key)
             await self._audit(tx, now, actor, "deployment.removed", deployment, {})
-        log.info("undeploy %d: %s from %s: %d device(s), by %s", deployment.id, model,
-                 selector.describe(), len(ids), actor)
+        log.info(
+            "undeploy %d: %s from %s: %d device(s), by %s",
+            deployment.id,
+            model,
+            selector.describe(),
+            len(ids),
+            actor,
+        )
         return Outcome(deployment, await self._publish_issued(seqs), {}, self.publishes)
 
     async def device_accepted(self, device_id: str) -> list[Issued]:
@@ -314,21 +360,36 @@ class DeploymentService:
                     continue
                 _, skipped = misfits([device], list(found.values()))
                 if skipped:
-                    log.info("deployment %d skips device %s: %s", d.id, device_id,
-                             skipped[device_id])
+                    log.info(
+                        "deployment %d skips device %s: %s", d.id, device_id, skipped[device_id]
+                    )
                     continue
-                await q.put_device_model(tx, DeviceModelView(
-                    device_id=device_id, model=d.model, stable_version=d.version,
-                    canary_version=d.canary_version, **canary_columns(d.canary_policy),
-                    shadow_version=d.shadow_version, rollback=d.rollback, deployment_id=d.id,
-                ), now=now)
+                await q.put_device_model(
+                    tx,
+                    DeviceModelView(
+                        device_id=device_id,
+                        model=d.model,
+                        stable_version=d.version,
+                        canary_version=d.canary_version,
+                        **canary_columns(d.canary_policy),
+                        shadow_version=d.shadow_version,
+                        rollback=d.rollback,
+                        deployment_id=d.id,
+                    ),
+                    now=now,
+                )
                 applied.append(d.id)
             if not applied:
                 return []
             seqs = await self._issue(tx, [device_id], now, key)
             await audit_q.insert_entry(
-                tx, at=now, actor=SYSTEM_ACTOR, action="deployment.applied",
-                target_type="device", target_id=device_id, detail={"deployments": applied},
+                tx,
+                at=now,
+                actor=SYSTEM_ACTOR,
+                action="deployment.applied",
+                target_type="device",
+                target_id=device_id,
+                detail={"deployments": applied},
             )
         log.info("device %s accepted: deployments %s applied", device_id, applied)
         return await self._publish_issued(seqs)
@@ -433,13 +494,19 @@ class DeploymentService:
                 )
             return [device]
         devices, _ = await device_q.list_devices(
-            tx, DeviceFilter(group=selector.group, labels=selector.labels, statuses=[ACCEPTED]),
-            limit=MAX_MATCHED_DEVICES, offset=0,
+            tx,
+            DeviceFilter(group=selector.group, labels=selector.labels, statuses=[ACCEPTED]),
+            limit=MAX_MATCHED_DEVICES,
+            offset=0,
         )
         return devices
 
     async def _refuse_downgrades(
-        self, tx: Tx, model: str, placed: Mapping[str, VersionView], ids: list[str],
+        self,
+        tx: Tx,
+        model: str,
+        placed: Mapping[str, VersionView],
+        ids: list[str],
         rollback: bool,
     ) -> None:
         """Refuse (409) when any version placed on a device, stable, canary or shadow, is
@@ -447,9 +514,12 @@ class DeploymentService:
         device's release counter would refuse it anyway, and the device would end failed."""
         if rollback or not ids:
             return
-        current = {m.device_id: m.stable_version
-                   for ms in (await q.device_models(tx, ids)).values() for m in ms
-                   if m.model == model}
+        current = {
+            m.device_id: m.stable_version
+            for ms in (await q.device_models(tx, ids)).values()
+            for m in ms
+            if m.model == model
+        }
         known = await q.get_versions(tx, [(model, v) for v in set(current.values())])
         numeric = {v: view.version_numeric for (_, v), view in known.items()}
         reported = await q.reported_active_versions(tx, ids, model)
@@ -462,7 +532,8 @@ class DeploymentService:
             what = f"{model} {target.version}" + ("" if role == "stable" else f" (as {role})")
             raise DowngradeError(
                 f"{what} is below the current version on {len(below)} "
-                f"device(s): {listed}{more}; deploy with rollback to go back on purpose", below,
+                f"device(s): {listed}{more}; deploy with rollback to go back on purpose",
+                below,
             )
 
     async def _issue(
@@ -474,8 +545,13 @@ class DeploymentService:
             return {}
         previous = await q.desired_states(tx, device_ids, lock=True)
         models = await q.device_models(tx, device_ids)
-        pairs = {(m.model, v) for ms in models.values() for m in ms
-                 for v in (m.stable_version, m.canary_version, m.shadow_version) if v}
+        pairs = {
+            (m.model, v)
+            for ms in models.values()
+            for m in ms
+            for v in (m.stable_version, m.canary_version, m.shadow_version)
+            if v
+        }
         versions = await q.get_versions(tx, pairs)
         seqs: dict[str, int] = {}
         for device_id in device_ids:
@@ -491,10 +567,18 @@ class DeploymentService:
             envelope = sign_desired_state(state, key)
             if len(orjson.dumps(envelope)) > DesiredState.MAX_BYTES:
                 raise DeploymentConflictError(f"the desired state of {device_id!r} is too large")
-            await q.save_desired_state(tx, DesiredView(
-                device_id=device_id, seq=seq, envelope=envelope, issued_at=now,
-                expires_at=state.expires, refresh_at=now + self._ttl / 2, published_at=None,
-            ))
+            await q.save_desired_state(
+                tx,
+                DesiredView(
+                    device_id=device_id,
+                    seq=seq,
+                    envelope=envelope,
+                    issued_at=now,
+                    expires_at=state.expires,
+                    refresh_at=now + self._ttl / 2,
+                    published_at=None,
+                ),
+            )
             seqs[device_id] = seq
         return seqs
 
@@ -526,15 +610,28 @@ class DeploymentService:
 
     @staticmethod
     async def _audit(
-        tx: Tx, now: datetime, actor: str, action: str, deployment: DeploymentView,
+        tx: Tx,
+        now: datetime,
+        actor: str,
+        action: str,
+        deployment: DeploymentView,
         skipped: Mapping[str, str],
     ) -> None:
         await audit_q.insert_entry(
-            tx, at=now, actor=actor, action=action, target_type="deployment",
+            tx,
+            at=now,
+            actor=actor,
+            action=action,
+            target_type="deployment",
             target_id=str(deployment.id),
-            detail={"model": deployment.model, "version": deployment.version,
-                    "selector": Selector.of(deployment).describe(),
-                    "canary": deployment.canary_version, "shadow": deployment.shadow_version,
-                    "rollback": deployment.rollback, "devices": deployment.devices_matched,
-                    "skipped": sorted(skipped)[:100]},
+            detail={
+                "model": deployment.model,
+                "version": deployment.version,
+                "selector": Selector.of(deployment).describe(),
+                "canary": deployment.canary_version,
+                "shadow": deployment.shadow_version,
+                "rollback": deployment.rollback,
+                "devices": deployment.devices_matched,
+                "skipped": sorted(skipped)[:100],
+            },
         )

@@ -21,8 +21,12 @@ log = logging.getLogger("mcp.controlplane.deployments")
 
 
 def _ref(version: VersionView) -> TargetRef:
-    return TargetRef(version=version.version, target_path=version.target_path,
-                     sha256=version.sha256, length=version.length)
+    return TargetRef(
+        version=version.version,
+        target_path=version.target_path,
+        sha256=version.sha256,
+        length=version.length,
+    )
 
 
 def build_desired_state(
@@ -41,20 +45,32 @@ def build_desired_state(
         stable = versions.get((m.model, m.stable_version))
         canary = versions.get((m.model, m.canary_version)) if m.canary_version else None
         shadow = versions.get((m.model, m.shadow_version)) if m.shadow_version else None
-        if stable is None or (m.canary_version and canary is None) or (
-            m.shadow_version and shadow is None
+        if (
+            stable is None
+            or (m.canary_version and canary is None)
+            or (m.shadow_version and shadow is None)
         ):
-            log.warning("device %s: %s %s is no longer published; left out of its desired state",
-                        device_id, m.model, m.stable_version)
+            log.warning(
+                "device %s: %s %s is no longer published; left out of its desired state",
+                device_id,
+                m.model,
+                m.stable_version,
+            )
             continue
-        entries.append(DesiredModel(
-            name=m.model, stable=_ref(stable),
-            canary=CanarySpec.of(_ref(canary), m.canary_policy or DEFAULT_CANARY_POLICY)
-            if canary else None,
-            shadow=_ref(shadow) if shadow else None, rollback=m.rollback,
-        ))
-    return DesiredState(device_id=device_id, seq=seq, issued_at=now, expires=now + ttl,
-                        models=entries)
+        entries.append(
+            DesiredModel(
+                name=m.model,
+                stable=_ref(stable),
+                canary=CanarySpec.of(_ref(canary), m.canary_policy or DEFAULT_CANARY_POLICY)
+                if canary
+                else None,
+                shadow=_ref(shadow) if shadow else None,
+                rollback=m.rollback,
+            )
+        )
+    return DesiredState(
+        device_id=device_id, seq=seq, issued_at=now, expires=now + ttl, models=entries
+    )
 
 
 def misfits(
@@ -87,7 +103,9 @@ def _numeric(version: str, known: Mapping[str, int]) -> int | None:
 
 
 def downgrades(
-    target: int, desired: Mapping[str, str], reported: Mapping[str, str],
+    target: int,
+    desired: Mapping[str, str],
+    reported: Mapping[str, str],
     known: Mapping[str, int],
 ) -> dict[str, str]:
     """``{device_id: version}`` for devices whose desired stable or reported active version
@@ -100,4 +118,3 @@ def downgrades(
                 below[device_id] = str(version)
                 break
     return below
-

@@ -144,8 +144,11 @@ class DesiredReconciler:
         it; return those devices."""
         async with self._db.read() as tx:
             stored = await q.desired_states(tx, copies)
-        stale = [d for d, view in stored.items()
-                 if view.published_at is not None and fingerprint(view.envelope) != copies[d]]
+        stale = [
+            d
+            for d, view in stored.items()
+            if view.published_at is not None and fingerprint(view.envelope) != copies[d]
+        ]
         await self._mark(stale, "the broker's retained copy is stale")
         return stale
 
@@ -179,6 +182,7 @@ class DesiredReconciler:
             await q.mark_unpublished(tx, device_ids)
         self.repaired += len(device_ids)
         shown = ", ".join(device_ids[:10]) + (" …" if len(device_ids) > 10 else "")
-        log.warning("desired state of %d device(s) published again: %s (%s)",
-                    len(device_ids), why, shown)
+        log.warning(
+            "desired state of %d device(s) published again: %s (%s)", len(device_ids), why, shown
+        )
         self._wake()

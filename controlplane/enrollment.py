@@ -144,7 +144,9 @@ def default_device_id(public_key_hex: str) -> str:
     return "dev-" + key_id(bytes.fromhex(public_key_hex))[:16]
 
 
-def merge_labels(device_labels: Mapping[str, str], operator_labels: Mapping[str, str]) -> dict[str, str]:
+def merge_labels(
+    device_labels: Mapping[str, str], operator_labels: Mapping[str, str]
+) -> dict[str, str]:
     """The device's own labels with the operator's (token or preauthorization) on top: a device
     cannot override the scope an operator gave it."""
     return {**device_labels, **operator_labels}

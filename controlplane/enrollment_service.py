@@ -126,8 +126,11 @@ class EnrollmentConflictError(EnrollmentError):
 def token_facts(token: EnrollmentToken) -> TokenFacts:
     """What :func:`controlplane.enrollment.plan` needs of a stored enrollment token."""
     return TokenFacts(
-        approval=Approval(token.approval), uses=token.uses, max_uses=token.max_uses,
-        expires_at=token.expires_at, revoked_at=token.revoked_at,
+        approval=Approval(token.approval),
+        uses=token.uses,
+        max_uses=token.max_uses,
+        expires_at=token.expires_at,
+        revoked_at=token.revoked_at,
     )
 
 
@@ -218,9 +221,11 @@ class EnrollmentService:
                 found = await token_q.find_token(tx, secret_digest(req.token))
                 token = token_facts(found) if found is not None else None
             decision = plan(
-                existing=DeviceStatus(existing.status) if existing else None, token=token,
+                existing=DeviceStatus(existing.status) if existing else None,
+                token=token,
                 manual_policy=self._settings.enrollment_approval is EnrollmentApproval.MANUAL,
-                force=force, now=now,
+                force=force,
+                now=now,
             )
             if decision.action is Action.REFUSE:
                 assert decision.refusal is not None
@@ -237,8 +242,10 @@ class EnrollmentService:
             if view.status == DeviceStatus.ACCEPTED.value:
                 creds = await self._provision(view.id, decision)
                 broker = BrokerCredentials(
-                    urls=list(self._settings.broker_urls), username=creds.username,
-                    password=creds.password, client_id=creds.client_id,
+                    urls=list(self._settings.broker_urls),
+                    username=creds.username,
+                    password=creds.password,
+                    client_id=creds.client_id,
                 )
         outcome = "unchanged" if decision.action is Action.UNCHANGED else view.status
         if decision.action is Action.REENROLL:
@@ -247,7 +254,9 @@ class EnrollmentService:
         log.info("enrollment of %s: %s", view.id, outcome)
         if broker is None:
             return EnrollmentAnswer(
-                status=EnrollmentStatus.PENDING, device_id=view.id, topic_prefix=PREFIX,
+                status=EnrollmentStatus.PENDING,
+                device_id=view.id,
+                topic_prefix=PREFIX,
                 message="waiting for an operator to approve this device",
                 poll_after_s=self._settings.poll_after_s,
             )
@@ -256,8 +265,12 @@ class EnrollmentService:
             Action.REENROLL: "re-enrolled",
         }.get(decision.action, "enrolled")
         return EnrollmentAnswer(
-            status=EnrollmentStatus.ACCEPTED, device_id=view.id, topic_prefix=PREFIX,
-            broker=broker, trust=await self._trust.trust_root(), message=message,
+            status=EnrollmentStatus.ACCEPTED,
+            device_id=view.id,
+            topic_prefix=PREFIX,
+            broker=broker,
+            trust=await self._trust.trust_root(),
+            message=message,
         )
 
     async def _create(
@@ -275,15 +288,26 @@ class EnrollmentService:
             )
         accepted = decision.status is DeviceStatus.ACCEPTED
         view = await device_q.insert_device(
-            tx, device_id=device_id, public_key=req.public_key, status=decision.status.value,
-            now=now, profile=req.profile, group_name=token.group_name,
-            labels=_checked_labels(merge_labels(req.labels, token.labels)), facts=req.facts,
-            agent_version=req.agent_version, enrollment_token_id=token.id,
+            tx,
+            device_id=device_id,
+            public_key=req.public_key,
+            status=decision.status.value,
+            now=now,
+            profile=req.profile,
+            group_name=token.group_name,
+            labels=_checked_labels(merge_labels(req.labels, token.labels)),
+            facts=req.facts,
+            agent_version=req.agent_version,
+            enrollment_token_id=token.id,
             accepted_at=now if accepted else None,
         )
         await audit.record(
-            tx, at=now, actor=device_actor(device_id), action=AuditAction.DEVICE_ENROLLED,
-            target_type="device", target_id=device_id,
+            tx,
+            at=now,
+            actor=device_actor(device_id),
+            action=AuditAction.DEVICE_ENROLLED,
+            target_type="device",
+            target_id=device_id,
             detail={"status": decision.status.value, "token_id": token.id, "profile": req.profile},
         )
         return view
@@ -296,16 +320,21 @@ class EnrollmentService:
         labels = _checked_labels(merge_labels(req.labels, existing.labels))
         await device_q.replace_labels(tx, existing.id, labels)
         fields: dict[str, object] = {
-            "profile": req.profile, "facts": dict(req.facts), "agent_version": req.agent_version,
+            "profile": req.profile,
+            "facts": dict(req.facts),
+            "agent_version": req.agent_version,
         }
         preauthorized = decision.action is Action.ACCEPT_PREAUTHORIZED
         if preauthorized:
             fields.update(status=DeviceStatus.ACCEPTED.value, accepted_at=now)
         view = await device_q.update_device(tx, existing.id, now=now, **fields)
         await audit.record(
-            tx, at=now, actor=device_actor(existing.id),
+            tx,
+            at=now,
+            actor=device_actor(existing.id),
             action=AuditAction.DEVICE_ENROLLED if preauthorized else AuditAction.DEVICE_REENROLLED,
-            target_type="device", target_id=existing.id,
+            target_type="device",
+            target_id=existing.id,
             detail={"status": view.status, "profile": req.profile, "preauthorized": preauthorized},
         )
         return view
@@ -319,7 +348,8 @@ class EnrollmentService:
         except AccountConflictError as e:
             log.warning("enrollment of %s refused: %s", device_id, e)
             hint = (
-                "enroll with another id or none" if decision.action is Action.CREATE
+                "enroll with another id or none"
+                if decision.action is Action.CREATE
                 else "ask an operator to give this device another id"
             )
             raise EnrollmentConflictError(
@@ -354,17 +384,19 @@ class EnrollmentService:
             if view is None:
                 raise DeviceNotFoundError(f"no device {device_id!r}")
             if view.status != DeviceStatus.PENDING.value:
-                raise EnrollmentConflictError(
-                    f"device {device_id!r} is {view.status}, not pending"
-                )
+                raise EnrollmentConflictError(f"device {device_id!r} is {view.status}, not pending")
             fields: dict[str, object] = {"status": status.value}
             if approve:
                 fields["accepted_at"] = now
             view = await device_q.update_device(tx, device_id, now=now, **fields)
             await audit.record(
-                tx, at=now, actor=actor,
+                tx,
+                at=now,
+                actor=actor,
                 action=AuditAction.DEVICE_APPROVED if approve else AuditAction.DEVICE_REJECTED,
-                target_type="device", target_id=device_id, detail={"reason": reason},
+                target_type="device",
+                target_id=device_id,
+                detail={"reason": reason},
             )
         return view
 
@@ -394,13 +426,21 @@ class EnrollmentService:
             if await device_q.device_id_taken(tx, device_id):
                 raise EnrollmentConflictError(f"device id {device_id!r} is taken")
             view = await device_q.insert_device(
-                tx, device_id=device_id, public_key=public_key,
-                status=DeviceStatus.PREAUTHORIZED.value, now=now, group_name=group,
+                tx,
+                device_id=device_id,
+                public_key=public_key,
+                status=DeviceStatus.PREAUTHORIZED.value,
+                now=now,
+                group_name=group,
                 labels=labels,
             )
             await audit.record(
-                tx, at=now, actor=actor, action=AuditAction.DEVICE_PREAUTHORIZED,
-                target_type="device", target_id=device_id,
+                tx,
+                at=now,
+                actor=actor,
+                action=AuditAction.DEVICE_PREAUTHORIZED,
+                target_type="device",
+                target_id=device_id,
                 detail={"public_key": public_key, "group": group, "labels": labels},
             )
         return view
@@ -414,5 +454,8 @@ class EnrollmentService:
         try:
             await self._deployments.device_accepted(device_id)
         except (DatabaseError, McpError) as e:
-            log.warning("device %s accepted, but its standing deployments were not applied: %s",
-                        device_id, e)
+            log.warning(
+                "device %s accepted, but its standing deployments were not applied: %s",
+                device_id,
+                e,
+            )

@@ -89,7 +89,10 @@ class MalformedRequestLog(_Adapter):
         tail = f"; {left_out} more since the last report" if left_out else ""
         self.logger.warning(
             "refused an unparsable HTTP request from %s with %d: %s%s",
-            peer, error.code or 400, _reason(error), tail,
+            peer,
+            error.code or 400,
+            _reason(error),
+            tail,
         )
 
 

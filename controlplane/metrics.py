@@ -45,63 +45,90 @@ class ControlPlaneMetrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         self.requests = Counter(
-            "mcp_cp_http_requests_total", "REST requests answered.",
-            ["method", "route", "status"], registry=r,
+            "mcp_cp_http_requests_total",
+            "REST requests answered.",
+            ["method", "route", "status"],
+            registry=r,
         )
         self.latency = Histogram(
-            "mcp_cp_http_request_seconds", "Time to answer a REST request.",
-            ["method", "route"], buckets=LATENCY_BUCKETS, registry=r,
+            "mcp_cp_http_request_seconds",
+            "Time to answer a REST request.",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.enrollments = Counter(
-            "mcp_cp_enrollments_total", "Enrollment requests by outcome.", ["outcome"],
+            "mcp_cp_enrollments_total",
+            "Enrollment requests by outcome.",
+            ["outcome"],
             registry=r,
         )
         self.devices = Gauge(
-            "mcp_cp_devices", "Devices known to the control plane, by status.", ["status"],
+            "mcp_cp_devices",
+            "Devices known to the control plane, by status.",
+            ["status"],
             registry=r,
         )
         self.devices_online = Gauge(
-            "mcp_cp_devices_online", "Accepted devices whose last status was online.",
+            "mcp_cp_devices_online",
+            "Accepted devices whose last status was online.",
             registry=r,
         )
 
         self.ingest_received = Counter(
-            "mcp_cp_ingest_received_total", "Valid device messages taken in, by kind.", ["kind"],
+            "mcp_cp_ingest_received_total",
+            "Valid device messages taken in, by kind.",
+            ["kind"],
             registry=r,
         )
         self.ingest_committed = Counter(
-            "mcp_cp_ingest_committed_total", "Ingested messages committed to the database.",
-            ["kind"], registry=r,
+            "mcp_cp_ingest_committed_total",
+            "Ingested messages committed to the database.",
+            ["kind"],
+            registry=r,
         )
         self.ingest_dropped = Counter(
-            "mcp_cp_ingest_dropped_total", "Device messages dropped, by reason.", ["reason"],
+            "mcp_cp_ingest_dropped_total",
+            "Device messages dropped, by reason.",
+            ["reason"],
             registry=r,
         )
         self.ingest_flush = Histogram(
-            "mcp_cp_ingest_flush_seconds", "Time to commit one ingestion batch.",
-            buckets=LATENCY_BUCKETS, registry=r,
+            "mcp_cp_ingest_flush_seconds",
+            "Time to commit one ingestion batch.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.ingest_backlog = Gauge(
-            "mcp_cp_ingest_backlog", "Ingested messages waiting for the next flush.", registry=r,
+            "mcp_cp_ingest_backlog",
+            "Ingested messages waiting for the next flush.",
+            registry=r,
         )
 
         self.repo_requests = Counter(
             "mcp_cp_repo_requests_total",
-            "Repository requests over MQTT answered, by reply status.", ["status"], registry=r,
+            "Repository requests over MQTT answered, by reply status.",
+            ["status"],
+            registry=r,
         )
         self.repo_bytes = Counter(
-            "mcp_cp_repo_bytes_total", "Repository bytes sent to devices over MQTT.", registry=r,
+            "mcp_cp_repo_bytes_total",
+            "Repository bytes sent to devices over MQTT.",
+            registry=r,
         )
         self.repo_dropped = Counter(
             "mcp_cp_repo_dropped_total",
-            "Repository requests over MQTT dropped unanswered, by reason.", ["reason"],
+            "Repository requests over MQTT dropped unanswered, by reason.",
+            ["reason"],
             registry=r,
         )
 
         self.broker_session_up = Gauge(
             "mcp_cp_broker_session_up",
             "1 while the broker session is logged in and subscribed, 0 while it is not (a "
-            "refused login, an unreachable broker).", ["session"], registry=r,
+            "refused login, an unreachable broker).",
+            ["session"],
+            registry=r,
         )
 
     def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:

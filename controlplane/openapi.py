@@ -120,7 +120,8 @@ def _statuses(ep: Endpoint) -> dict[int, str]:
 
 
 def _operation(
-    ep: Endpoint, refs: dict[tuple[type[BaseModel], Mode], dict[str, Any]],
+    ep: Endpoint,
+    refs: dict[tuple[type[BaseModel], Mode], dict[str, Any]],
     query_schemas: dict[type[BaseModel], dict[str, Any]],
 ) -> dict[str, Any]:
     op: dict[str, Any] = {
@@ -180,7 +181,8 @@ def build_openapi(
     refs = cast(dict[tuple[type[BaseModel], Mode], dict[str, Any]], dict(keyed))
     query_schemas = {
         ep.query: ep.query.model_json_schema(ref_template=REF)
-        for ep in endpoints if ep.query is not None
+        for ep in endpoints
+        if ep.query is not None
     }
     paths: dict[str, dict[str, Any]] = {}
     for ep in endpoints:

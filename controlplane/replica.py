@@ -83,7 +83,9 @@ class ServeLock:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.release()
@@ -102,8 +104,9 @@ def replica_id(data_dir: Path) -> str:
     return new
 
 
-def replica_name(data_dir: Path, *, configured: str | None = None,
-                 hostname: str | None = None) -> str:
+def replica_name(
+    data_dir: Path, *, configured: str | None = None, hostname: str | None = None
+) -> str:
     """The replica's broker identity: ``configured`` when given, else ``cp-{host}-{id}`` with
     the host name reduced to identifier characters (and cut to fit the length limit)."""
     if configured:

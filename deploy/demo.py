@@ -110,8 +110,14 @@ class Demo:
     def _show(self, tool: str, args: Sequence[str]) -> None:
         say("    $ " + shlex.join([tool, *(_short(a) for a in args)]))
 
-    def cli(self, tool: str, *args: str, env: dict[str, str] | None = None,
-            show: bool = True, timeout_s: float = 120) -> str:
+    def cli(
+        self,
+        tool: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        show: bool = True,
+        timeout_s: float = 120,
+    ) -> str:
         """Run one CLI command as a user would, returning its stdout.
 
         Raises:
@@ -122,15 +128,24 @@ class Demo:
         with (self.logs / "commands.log").open("a") as log:
             log.write(f"$ {shlex.join([tool, *args])}\n")
             try:
-                done = subprocess.run([str(self.bin / tool), *args], capture_output=True, text=True,
-                                      env={**self.env, **(env or {})}, cwd=REPO,
-                                      timeout=timeout_s, start_new_session=True, check=False)
+                done = subprocess.run(
+                    [str(self.bin / tool), *args],
+                    capture_output=True,
+                    text=True,
+                    env={**self.env, **(env or {})},
+                    cwd=REPO,
+                    timeout=timeout_s,
+                    start_new_session=True,
+                    check=False,
+                )
             except subprocess.TimeoutExpired as e:
                 raise DemoError(f"`{tool} {args[0]}` ran past {timeout_s:.0f} s") from e
             log.write(done.stdout + done.stderr)
         if done.returncode != 0:
-            raise DemoError(f"`{tool} {' '.join(args[:2])}` failed (status {done.returncode}):"
-                            f"\n{(done.stderr or done.stdout).strip()[-3000:]}")
+            raise DemoError(
+                f"`{tool} {' '.join(args[:2])}` failed (status {done.returncode}):"
+                f"\n{(done.stderr or done.stdout).strip()[-3000:]}"
+            )
         return done.stdout
 
     def start(self, name: str, argv: Sequence[str], show: Sequence[str] | None = None) -> Service:
@@ -139,15 +154,28 @@ class Demo:
             self._show(show[0], show[1:])
         log = self.logs / f"{name}.log"
         with log.open("ab") as out:
-            process = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=subprocess.STDOUT, cwd=REPO, env=self.env,
-                                       start_new_session=True)
+            process = subprocess.Popen(
+                list(argv),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env=self.env,
+                start_new_session=True,
+            )
         service = Service(name, process, log)
         self.services.append(service)
         return service
 
-    def wait_for(self, what: str, predicate: Callable[[], object], timeout_s: float,
-                 log: Path, *, quiet: bool = False) -> None:
+    def wait_for(
+        self,
+        what: str,
+        predicate: Callable[[], object],
+        timeout_s: float,
+        log: Path,
+        *,
+        quiet: bool = False,
+    ) -> None:
         """Poll `predicate` until it is true.
 
         `quiet` also counts a DemoError of `predicate` (a failed CLI command) as "not yet".
@@ -161,8 +189,10 @@ class Demo:
         while True:
             for s in self.services:
                 if s.process.poll() is not None:
-                    raise DemoError(f"{s.name} exited with status {s.process.returncode} while "
-                                    f"waiting for {what}; read {s.log}")
+                    raise DemoError(
+                        f"{s.name} exited with status {s.process.returncode} while "
+                        f"waiting for {what}; read {s.log}"
+                    )
             try:
                 if predicate():
                     return
@@ -173,8 +203,7 @@ class Demo:
                     raise
                 last = f" (last attempt: {e})"
             if time.monotonic() > deadline:
-                raise DemoError(f"{what} did not happen within {timeout_s:.0f} s{last}; "
-                                f"read {log}")
+                raise DemoError(f"{what} did not happen within {timeout_s:.0f} s{last}; read {log}")
             time.sleep(0.1)
 
     def check(self, ok: bool, what: str) -> None:
@@ -184,27 +213,40 @@ class Demo:
     def api(self, path: str) -> Any:
         status, body = http_json(self.cp_url + path, token=self.token)
         if status != 200:
-            raise DemoError(f"GET {path} answered HTTP {status}; "
-                            f"read {self.logs / 'controlplane.log'}")
+            raise DemoError(
+                f"GET {path} answered HTTP {status}; read {self.logs / 'controlplane.log'}"
+            )
         return body
 
     def devices(self) -> dict[str, Any]:
         return {d["id"]: d for d in self.api("/api/v1/devices")["items"]}
 
     def infer_body(self) -> bytes:
-        return json.dumps({"inputs": [{"name": "input", "shape": [N_SAMPLES, 64],
-                                       "datatype": "FP32", "data": self.samples["data"]}]}).encode()
+        return json.dumps(
+            {
+                "inputs": [
+                    {
+                        "name": "input",
+                        "shape": [N_SAMPLES, 64],
+                        "datatype": "FP32",
+                        "data": self.samples["data"],
+                    }
+                ]
+            }
+        ).encode()
 
     def predictions(self, answer: dict[str, Any]) -> list[int]:
         scores = answer["outputs"][0]["data"]
-        rows = [scores[i * 10:(i + 1) * 10] for i in range(N_SAMPLES)]
+        rows = [scores[i * 10 : (i + 1) * 10] for i in range(N_SAMPLES)]
         return [row.index(max(row)) for row in rows]
 
     def show_answer(self, who: str, answer: dict[str, Any]) -> None:
         predicted, truth = self.predictions(answer), self.samples["labels"]
         right = sum(p == t for p, t in zip(predicted, truth, strict=True))
-        say(f"    {who}: {MODEL} {answer['model_version']} answered {predicted}, "
-            f"true {truth} ({right}/{N_SAMPLES} right)")
+        say(
+            f"    {who}: {MODEL} {answer['model_version']} answered {predicted}, "
+            f"true {truth} ({right}/{N_SAMPLES} right)"
+        )
 
     # ---- the steps -------------------------------------------------------------------------
 
@@ -212,9 +254,14 @@ class Demo:
         broker_dir = self.work / "broker"
         self.step("Create the broker's dynamic-security file: one admin account, default deny")
         self._show("bash", ["deploy/mosquitto/bootstrap.sh", "--data-dir", str(broker_dir)])
-        done = subprocess.run(["bash", str(REPO / "deploy/mosquitto/bootstrap.sh"),
-                               "--data-dir", str(broker_dir)], capture_output=True, text=True,
-                              timeout=60, check=False, start_new_session=True)
+        done = subprocess.run(
+            ["bash", str(REPO / "deploy/mosquitto/bootstrap.sh"), "--data-dir", str(broker_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            start_new_session=True,
+        )
         (self.logs / "bootstrap.log").write_text(done.stdout + done.stderr)
         if done.returncode != 0:
             raise DemoError(f"deploy/mosquitto/bootstrap.sh failed: {done.stderr.strip()}")
@@ -224,21 +271,32 @@ class Demo:
         for line in (REPO / "deploy/mosquitto/mosquitto.conf").read_text().splitlines():
             if line.split(" ", 1)[0] not in _LOCAL_KEYS:
                 lines.append(line)
-        lines += [f"listener {self.broker_port} {HOST}", f"plugin {find_dynsec_plugin()}",
-                  f"plugin_opt_config_file {broker_dir / 'dynamic-security.json'}",
-                  f"persistence_location {broker_dir}/",
-                  f"log_dest file {self.logs / 'mosquitto.log'}",
-                  f"user {pwd.getpwuid(os.getuid()).pw_name}"]
+        lines += [
+            f"listener {self.broker_port} {HOST}",
+            f"plugin {find_dynsec_plugin()}",
+            f"plugin_opt_config_file {broker_dir / 'dynamic-security.json'}",
+            f"persistence_location {broker_dir}/",
+            f"log_dest file {self.logs / 'mosquitto.log'}",
+            f"user {pwd.getpwuid(os.getuid()).pw_name}",
+        ]
         conf.write_text("\n".join(lines) + "\n")
         self.step(f"Start Mosquitto on {HOST}:{self.broker_port} (config from deploy/mosquitto/)")
-        self.start("mosquitto", [str(find_executable("mosquitto")), "-c", str(conf)],
-                   show=["mosquitto", "-c", str(conf)])
+        self.start(
+            "mosquitto",
+            [str(find_executable("mosquitto")), "-c", str(conf)],
+            show=["mosquitto", "-c", str(conf)],
+        )
 
         def accepting() -> bool:
             with socket.create_connection((HOST, self.broker_port), timeout=1):
                 return True
-        self.wait_for(f"Mosquitto accepting connections on port {self.broker_port}", accepting,
-                      20, self.logs / "mosquitto.log")
+
+        self.wait_for(
+            f"Mosquitto accepting connections on port {self.broker_port}",
+            accepting,
+            20,
+            self.logs / "mosquitto.log",
+        )
 
     def control_plane(self) -> None:
         data = self.work / "cp"
@@ -248,32 +306,62 @@ class Demo:
         port = free_port_below_ephemeral(HOST)
         broker = f"mqtt://{HOST}:{self.broker_port}"
         self.step("Create the control plane: SQLite database, TUF repository and keys, admin user")
-        out = self.cli("mcp-controlplane", "init", "--data-dir", str(data), "--listen",
-                       f"{HOST}:{port}", "--broker-url", broker, "--broker-admin-url", broker,
-                       "--broker-admin-user", "admin", "--broker-admin-password-file",
-                       str(self.work / "broker/dynsec-admin.password"), "--admin-user", "admin",
-                       "--admin-password-file", str(admin_pw))
+        out = self.cli(
+            "mcp-controlplane",
+            "init",
+            "--data-dir",
+            str(data),
+            "--listen",
+            f"{HOST}:{port}",
+            "--broker-url",
+            broker,
+            "--broker-admin-url",
+            broker,
+            "--broker-admin-user",
+            "admin",
+            "--broker-admin-password-file",
+            str(self.work / "broker/dynsec-admin.password"),
+            "--admin-user",
+            "admin",
+            "--admin-password-file",
+            str(admin_pw),
+        )
         self.token = out.strip().splitlines()[-1]
         token_file = self.work / "api-token"
         token_file.write_text(self.token + "\n")
         token_file.chmod(0o600)
         self.cp_url = f"http://{HOST}:{port}"
         self.env.update(MCP_SERVER=self.cp_url, MCP_TOKEN=self.token)
-        say(f"    admin API token saved in {_short(str(token_file))}; the commands below "
-            f"read it from MCP_TOKEN and the server from MCP_SERVER={self.cp_url}")
+        say(
+            f"    admin API token saved in {_short(str(token_file))}; the commands below "
+            f"read it from MCP_TOKEN and the server from MCP_SERVER={self.cp_url}"
+        )
         self.step(f"Serve the control plane on {self.cp_url}")
-        self.start("controlplane", [str(self.bin / "mcp-controlplane"), "serve",
-                                    "--data-dir", str(data), "--listen", f"{HOST}:{port}"],
-                   show=["mcp-controlplane", "serve", "--data-dir", str(data)])
-        self.wait_for("the control plane answering /healthz",
-                      lambda: http_json(self.cp_url + "/healthz")[0] == 200, 60,
-                      self.logs / "controlplane.log")
+        self.start(
+            "controlplane",
+            [
+                str(self.bin / "mcp-controlplane"),
+                "serve",
+                "--data-dir",
+                str(data),
+                "--listen",
+                f"{HOST}:{port}",
+            ],
+            show=["mcp-controlplane", "serve", "--data-dir", str(data)],
+        )
+        self.wait_for(
+            "the control plane answering /healthz",
+            lambda: http_json(self.cp_url + "/healthz")[0] == 200,
+            60,
+            self.logs / "controlplane.log",
+        )
 
     def publish(self) -> None:
         models = self.work / "model"
         models.mkdir(exist_ok=True)
-        self.step("Train two versions of a digits classifier (scikit-learn's 8x8 images, "
-                  "no download)")
+        self.step(
+            "Train two versions of a digits classifier (scikit-learn's 8x8 images, no download)"
+        )
         labels = models / "labels.txt"
         labels.write_text("\n".join(str(d) for d in range(10)) + "\n")
         for version, hidden in VERSIONS.items():
@@ -283,50 +371,106 @@ class Demo:
                 continue
             mlp = train_digits_mlp(seed=0, hidden_units=hidden)
             write_digits_onnx(mlp.model, onnx)
-            say(f"    {version}: MLP with {hidden} hidden units, held-out accuracy "
-                f"{mlp.accuracy:.3f} -> {_short(str(onnx))}")
-            (models / "samples.json").write_text(json.dumps({
-                "data": [round(float(v), 4) for v in mlp.X_test[:N_SAMPLES].ravel()],
-                "labels": mlp.y_test[:N_SAMPLES].tolist()}))
+            say(
+                f"    {version}: MLP with {hidden} hidden units, held-out accuracy "
+                f"{mlp.accuracy:.3f} -> {_short(str(onnx))}"
+            )
+            (models / "samples.json").write_text(
+                json.dumps(
+                    {
+                        "data": [round(float(v), 4) for v in mlp.X_test[:N_SAMPLES].ravel()],
+                        "labels": mlp.y_test[:N_SAMPLES].tolist(),
+                    }
+                )
+            )
         self.samples = json.loads((models / "samples.json").read_text())
         (models / "request.json").write_bytes(self.infer_body())
         key = models / "publisher.key"
         self.step("Make the ML team's publisher key and register it with the control plane")
         if not key.exists():
             self.cli("mcp-bundle", "keygen", "--out", str(key))
-        self.cli("mcp-controlplane", "publishers", "add", str(key.with_suffix(".pub")),
-                 "--name", "vision-team")
+        self.cli(
+            "mcp-controlplane",
+            "publishers",
+            "add",
+            str(key.with_suffix(".pub")),
+            "--name",
+            "vision-team",
+        )
         for version in VERSIONS:
             self.step(f"Build, sign and publish {MODEL} {version} (a TUF target of the repository)")
             bundle = models / f"{MODEL}-{version}.mcpb"
             if not bundle.exists():
-                self.cli("mcp-bundle", "build", str(models / f"digits-{version}.onnx"), "--name",
-                         MODEL, "--version", version, "--labels", str(labels), "-o", str(bundle))
+                self.cli(
+                    "mcp-bundle",
+                    "build",
+                    str(models / f"digits-{version}.onnx"),
+                    "--name",
+                    MODEL,
+                    "--version",
+                    version,
+                    "--labels",
+                    str(labels),
+                    "-o",
+                    str(bundle),
+                )
                 self.cli("mcp-bundle", "sign", str(bundle), "--key", str(key))
             self.cli("mcp-bundle", "push", str(bundle), "--no-progress")
-        say("    " + self.cli("mcp-controlplane", "models", "show", MODEL, show=False)
-            .strip().replace("\n", "\n    "))
+        say(
+            "    "
+            + self.cli("mcp-controlplane", "models", "show", MODEL, show=False)
+            .strip()
+            .replace("\n", "\n    ")
+        )
 
     def agents(self) -> None:
         self.step(f"Create an enrollment token for group '{GROUP}' (two uses, one hour)")
-        token = self.cli("mcp-controlplane", "tokens", "create", "--group", GROUP, "--uses",
-                         str(len(DEVICES)), "--expires", "1h").strip().splitlines()[-1]
+        token = (
+            self.cli(
+                "mcp-controlplane",
+                "tokens",
+                "create",
+                "--group",
+                GROUP,
+                "--uses",
+                str(len(DEVICES)),
+                "--expires",
+                "1h",
+            )
+            .strip()
+            .splitlines()[-1]
+        )
         for name in DEVICES:
             state = self.work / "agents" / name
             self.step(f"Enroll {name} and run it with no model")
-            self.cli("mcp-agent", "enroll", "--server", self.cp_url, "--token", token,
-                     "--device-id", name, "--state-dir", str(state))
+            self.cli(
+                "mcp-agent",
+                "enroll",
+                "--server",
+                self.cp_url,
+                "--token",
+                token,
+                "--device-id",
+                name,
+                "--state-dir",
+                str(state),
+            )
             port = self.agent_ports[name] = free_port_below_ephemeral(HOST)
             args = ["run", "--port", str(port), "--state-dir", str(state), "--health-interval", "5"]
             self.start(name, [str(self.bin / "mcp-agent"), *args], show=["mcp-agent", *args])
-        self.wait_for(f"{' and '.join(DEVICES)} online in GET /api/v1/devices",
-                      lambda: all(self.devices()[n].get("online") for n in DEVICES), 60,
-                      self.logs / "cam-1.log")
+        self.wait_for(
+            f"{' and '.join(DEVICES)} online in GET /api/v1/devices",
+            lambda: all(self.devices()[n].get("online") for n in DEVICES),
+            60,
+            self.logs / "cam-1.log",
+        )
         say(f"    {' and '.join(DEVICES)} are online, serving nothing yet")
 
     def deploy_first(self) -> None:
-        self.step(f"Deploy {MODEL} 1.0.0 to group '{GROUP}': each agent fetches it over MQTT "
-                  "through TUF, checks it and swaps it in")
+        self.step(
+            f"Deploy {MODEL} 1.0.0 to group '{GROUP}': each agent fetches it over MQTT "
+            "through TUF, checks it and swaps it in"
+        )
         self.cli("mcp-controlplane", "deploy", MODEL, "1.0.0", "--group", GROUP)
         body = self.infer_body()
         for name in DEVICES:
@@ -334,57 +478,115 @@ class Demo:
 
             def serving(url: str = url) -> bool:
                 return bool(http_json(url, body=body)[1]["model_version"] == "1.0.0")
-            self.wait_for(f"{name} serving {MODEL} 1.0.0", serving, 120,
-                          self.logs / f"{name}.log")
+
+            self.wait_for(f"{name} serving {MODEL} 1.0.0", serving, 120, self.logs / f"{name}.log")
         self.step("Ask each agent over HTTP (Open Inference Protocol)")
         for name in DEVICES:
             url = f"http://{HOST}:{self.agent_ports[name]}/v2/models/{MODEL}/infer"
-            self._show("curl", ["-s", "-H", "Content-Type: application/json", "-d",
-                                "@" + str(self.work / "model/request.json"), url])
+            self._show(
+                "curl",
+                [
+                    "-s",
+                    "-H",
+                    "Content-Type: application/json",
+                    "-d",
+                    "@" + str(self.work / "model/request.json"),
+                    url,
+                ],
+            )
             status, answer = http_json(url, body=body)
-            self.check(status == 200 and answer["model_version"] == "1.0.0",
-                       f"{name} did not answer with {MODEL} 1.0.0 (HTTP {status}); "
-                       f"read {self.logs / (name + '.log')}")
+            self.check(
+                status == 200 and answer["model_version"] == "1.0.0",
+                f"{name} did not answer with {MODEL} 1.0.0 (HTTP {status}); "
+                f"read {self.logs / (name + '.log')}",
+            )
             self.show_answer(f"{name} over HTTP", answer)
 
     def mqtt_inference(self) -> None:
-        self.step(f"Ask the fleet over MQTT (mcp/v1/fleet/infer/{MODEL}; one agent answers) "
-                  f"with an application account")
-        account = json.loads(self.cli("mcp-controlplane", "apps", "create", APP_CLIENT,
-                                      "--description", "demo MQTT client", "--json"))
-        say(f"    (the control plane made the broker account {account['username']}; it may "
+        self.step(
+            f"Ask the fleet over MQTT (mcp/v1/fleet/infer/{MODEL}; one agent answers) "
+            f"with an application account"
+        )
+        account = json.loads(
+            self.cli(
+                "mcp-controlplane",
+                "apps",
+                "create",
+                APP_CLIENT,
+                "--description",
+                "demo MQTT client",
+                "--json",
+            )
+        )
+        say(
+            f"    (the control plane made the broker account {account['username']}; it may "
             f"send requests and read {account['reply_topic']} only; the password, shown once, "
-            f"goes in MCP_MQTT_PASSWORD)")
-        args = ["infer", "--mqtt", f"{HOST}:{self.broker_port}", "--model", MODEL, "--data",
-                "@" + str(self.work / "model/request.json"), "--client-id", APP_CLIENT,
-                "--username", account["username"], "--timeout", "10"]
+            f"goes in MCP_MQTT_PASSWORD)"
+        )
+        args = [
+            "infer",
+            "--mqtt",
+            f"{HOST}:{self.broker_port}",
+            "--model",
+            MODEL,
+            "--data",
+            "@" + str(self.work / "model/request.json"),
+            "--client-id",
+            APP_CLIENT,
+            "--username",
+            account["username"],
+            "--timeout",
+            "10",
+        ]
         env = {"MCP_MQTT_PASSWORD": account["password"]}
         # An agent joins a model's fleet topic right after the deployment that made it live;
         # the HTTP check above can pass a moment before that subscription is granted.
-        self.wait_for("an agent subscribed to the fleet topic", lambda: self.cli(
-            "mcp-agent", *args, env=env, show=False), 30, self.logs / "cam-1.log", quiet=True)
+        self.wait_for(
+            "an agent subscribed to the fleet topic",
+            lambda: self.cli("mcp-agent", *args, env=env, show=False),
+            30,
+            self.logs / "cam-1.log",
+            quiet=True,
+        )
         answer = json.loads(self.cli("mcp-agent", *args, env=env))
-        self.check(answer["model_version"] == "1.0.0",
-                   f"the fleet answered with {answer['model_version']}, not 1.0.0")
+        self.check(
+            answer["model_version"] == "1.0.0",
+            f"the fleet answered with {answer['model_version']}, not 1.0.0",
+        )
         self.show_answer("the fleet over MQTT", answer)
 
     def hot_swap(self) -> None:
         self.step(f"Deploy {MODEL} 1.1.0 to cam-1 only, while clients keep asking both agents")
-        clients = {n: Client(f"http://{HOST}:{self.agent_ports[n]}/v2/models/{MODEL}/infer",
-                             self.infer_body()) for n in DEVICES}
+        clients = {
+            n: Client(
+                f"http://{HOST}:{self.agent_ports[n]}/v2/models/{MODEL}/infer", self.infer_body()
+            )
+            for n in DEVICES
+        }
         for c in clients.values():
             c.start()
         cam1 = clients["cam-1"]
         try:
-            self.wait_for("the clients under way", lambda: all(
-                len(c.versions) >= 20 for c in clients.values()), 30, self.logs / "cam-1.log")
+            self.wait_for(
+                "the clients under way",
+                lambda: all(len(c.versions) >= 20 for c in clients.values()),
+                30,
+                self.logs / "cam-1.log",
+            )
             self.cli("mcp-controlplane", "deploy", MODEL, "1.1.0", "--device", "cam-1")
-            self.wait_for("cam-1 answering with 1.1.0",
-                          lambda: cam1.versions and cam1.versions[-1] == "1.1.0", 120,
-                          self.logs / "cam-1.log")
+            self.wait_for(
+                "cam-1 answering with 1.1.0",
+                lambda: cam1.versions and cam1.versions[-1] == "1.1.0",
+                120,
+                self.logs / "cam-1.log",
+            )
             seen = len(cam1.versions)
-            self.wait_for("more answers after the swap", lambda: len(cam1.versions) >= seen + 20,
-                          30, self.logs / "cam-1.log")
+            self.wait_for(
+                "more answers after the swap",
+                lambda: len(cam1.versions) >= seen + 20,
+                30,
+                self.logs / "cam-1.log",
+            )
         finally:
             for c in clients.values():
                 c.stop.set()
@@ -392,21 +594,30 @@ class Demo:
                 c.join(timeout=15)
         for name, c in clients.items():
             counts = ", ".join(f"{n} by {v}" for v, n in sorted(Counter(c.versions).items()))
-            say(f"    {name}: {len(c.versions)} requests answered ({counts}), "
-                f"{len(c.failures)} failed")
+            say(
+                f"    {name}: {len(c.versions)} requests answered ({counts}), "
+                f"{len(c.failures)} failed"
+            )
         failed = {n: c.failures[:3] for n, c in clients.items() if c.failures}
-        self.check(not failed, f"requests failed during the update: {failed}; read "
-                   f"{self.logs / 'cam-1.log'}")
+        self.check(
+            not failed,
+            f"requests failed during the update: {failed}; read {self.logs / 'cam-1.log'}",
+        )
         first_new = cam1.versions.index("1.1.0")
-        self.check(set(cam1.versions[:first_new]) == {"1.0.0"}
-                   and set(cam1.versions[first_new:]) == {"1.1.0"},
-                   "cam-1 did not go from 1.0.0 to 1.1.0 in one swap")
+        self.check(
+            set(cam1.versions[:first_new]) == {"1.0.0"}
+            and set(cam1.versions[first_new:]) == {"1.1.0"},
+            "cam-1 did not go from 1.0.0 to 1.1.0 in one swap",
+        )
         self.check(set(clients["cam-2"].versions) == {"1.0.0"}, "cam-2 left 1.0.0")
         say(f"    cam-1 moved to {MODEL} 1.1.0 with 0 failed requests; cam-2 stayed on 1.0.0")
 
     def report(self) -> None:
         self.step("The device list")
-        say("    " + self.cli("mcp-controlplane", "devices", "list").rstrip().replace("\n", "\n    "))
+        say(
+            "    "
+            + self.cli("mcp-controlplane", "devices", "list").rstrip().replace("\n", "\n    ")
+        )
         self.step("cam-1's flight recorder: its deployment events as the control plane stored them")
         path = "/api/v1/devices/cam-1/events?limit=200"
         say(f'    $ curl -s -H "Authorization: Bearer $MCP_TOKEN" "$MCP_SERVER{path}"')
@@ -414,9 +625,16 @@ class Demo:
         def events() -> list[dict[str, Any]]:
             items: list[dict[str, Any]] = self.api(path)["items"]
             return items
-        self.wait_for("cam-1's 1.1.0 activation event at the control plane", lambda: any(
-            (e["version"], e["phase"], e["outcome"]) == ("1.1.0", "active", "ok")
-            for e in events()), 60, self.logs / "controlplane.log")
+
+        self.wait_for(
+            "cam-1's 1.1.0 activation event at the control plane",
+            lambda: any(
+                (e["version"], e["phase"], e["outcome"]) == ("1.1.0", "active", "ok")
+                for e in events()
+            ),
+            60,
+            self.logs / "controlplane.log",
+        )
         say(f"    {'seq':>4}  {'version':<8} {'phase':<12} {'outcome':<9} {'ms':>6}  detail")
         for e in events():
             if e["phase"] == "downloading" and e.get("bytes_total"):
@@ -424,8 +642,10 @@ class Demo:
             else:
                 detail = " ".join(str(x) for x in (e.get("cause"), e.get("message")) if x)
             ms = "" if e.get("elapsed_ms") is None else f"{e['elapsed_ms']:.0f}"
-            say(f"    {e['event_seq']:>4}  {e['version']:<8} {e['phase']:<12} {e['outcome']:<9} "
-                f"{ms:>6}  {detail}")
+            say(
+                f"    {e['event_seq']:>4}  {e['version']:<8} {e['phase']:<12} {e['outcome']:<9} "
+                f"{ms:>6}  {detail}"
+            )
 
     def summary(self) -> None:
         ports = self.agent_ports
@@ -434,8 +654,8 @@ class Demo:
 The fleet is running. Logs: {_short(str(self.logs))}/
   control plane  {self.cp_url}   (admin API token: {self.token})
   broker         mqtt://{HOST}:{self.broker_port}
-  cam-1          http://{HOST}:{ports['cam-1']}   ({MODEL} 1.1.0, pid {pids['cam-1']})
-  cam-2          http://{HOST}:{ports['cam-2']}   ({MODEL} 1.0.0, pid {pids['cam-2']})
+  cam-1          http://{HOST}:{ports["cam-1"]}   ({MODEL} 1.1.0, pid {pids["cam-1"]})
+  cam-2          http://{HOST}:{ports["cam-2"]}   ({MODEL} 1.0.0, pid {pids["cam-2"]})
 
 Try, in another terminal:
   export PATH={self.bin}:$PATH MCP_SERVER={self.cp_url} MCP_TOKEN={self.token}
@@ -443,11 +663,11 @@ Try, in another terminal:
   curl -s -H "Authorization: Bearer $MCP_TOKEN" $MCP_SERVER/api/v1/devices/cam-1/models
   curl -s -H "Authorization: Bearer $MCP_TOKEN" $MCP_SERVER/api/v1/models/{MODEL}
   curl -s -H 'Content-Type: application/json' \\
-    -d @{_short(str(self.work / 'model/request.json'))} \\
-    http://{HOST}:{ports['cam-2']}/v2/models/{MODEL}/infer
+    -d @{_short(str(self.work / "model/request.json"))} \\
+    http://{HOST}:{ports["cam-2"]}/v2/models/{MODEL}/infer
   mcp-controlplane deploy {MODEL} 1.1.0 --group {GROUP}          # cam-2 follows
   mcp-controlplane deploy {MODEL} 1.0.0 --device cam-1 --rollback
-  mcp-agent updates --state-dir {_short(str(self.work / 'agents/cam-1'))}
+  mcp-agent updates --state-dir {_short(str(self.work / "agents/cam-1"))}
 """)
 
     def watch(self) -> None:
@@ -478,8 +698,10 @@ Try, in another terminal:
                     unclean.append(f"{s.name} needed SIGKILL; read {s.log}")
                     continue
                 if s.process.returncode != 0:
-                    unclean.append(f"{s.name} exited with status {s.process.returncode} on "
-                                   f"SIGTERM; read {s.log}")
+                    unclean.append(
+                        f"{s.name} exited with status {s.process.returncode} on "
+                        f"SIGTERM; read {s.log}"
+                    )
         self.services.clear()
         return unclean
 
@@ -517,17 +739,28 @@ def _prepare_work_dir(work: Path, keep: bool) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deploy/demo.sh", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work-dir", type=Path, default=REPO / ".cache/demo",
-                        help="where every file and log goes, wiped at start (default .cache/demo)")
-    parser.add_argument("--keep", action="store_true",
-                        help="reuse the trained models, publisher key and bundles in the work dir")
-    parser.add_argument("--smoke", action="store_true",
-                        help="run every step, check every expectation, stop everything")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=REPO / ".cache/demo",
+        help="where every file and log goes, wiped at start (default .cache/demo)",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="reuse the trained models, publisher key and bundles in the work dir",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="run every step, check every expectation, stop everything",
+    )
     args = parser.parse_args(argv)
     work = args.work_dir.resolve()
 
     def stop_request(signum: int, _frame: object) -> None:
         raise Stop(signal.Signals(signum).name)
+
     # A shell starts background jobs with SIGINT ignored; Ctrl-C must still stop the demo.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, stop_request)

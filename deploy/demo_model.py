@@ -41,17 +41,36 @@ def main(out: Path) -> None:
     bundle = out / "digits-1.0.0.mcpb"
     bundle.unlink(missing_ok=True)
     build_bundle(
-        onnx_path, bundle, name="digits", version="1.0.0", labels_path=out / "labels.txt",
-        preprocessing={"kind": "image", "grayscale": True, "size": [8, 8], "scale": 1 / 255,
-                       "layout": "flat"},
+        onnx_path,
+        bundle,
+        name="digits",
+        version="1.0.0",
+        labels_path=out / "labels.txt",
+        preprocessing={
+            "kind": "image",
+            "grayscale": True,
+            "size": [8, 8],
+            "scale": 1 / 255,
+            "layout": "flat",
+        },
     )
     sign_bundle(bundle, key)
     x = mlp.X_test[:2]
-    sample = {"inputs": [{"name": "input", "shape": [2, 64], "datatype": "FP32",
-                          "data": [round(float(v), 4) for v in x.ravel()]}]}
+    sample = {
+        "inputs": [
+            {
+                "name": "input",
+                "shape": [2, 64],
+                "datatype": "FP32",
+                "data": [round(float(v), 4) for v in x.ravel()],
+            }
+        ]
+    }
     (out / "sample.json").write_text(json.dumps(sample))
-    print(f"model accuracy on held-out digits: {mlp.accuracy:.3f}; "
-          f"expected answers for sample.json: {mlp.y_test[:2].tolist()}")
+    print(
+        f"model accuracy on held-out digits: {mlp.accuracy:.3f}; "
+        f"expected answers for sample.json: {mlp.y_test[:2].tolist()}"
+    )
 
 
 if __name__ == "__main__":

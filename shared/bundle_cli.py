@@ -439,14 +439,32 @@ DEFAULT_SERVER = "http://127.0.0.1:8080"
 
 @cli.command()
 @click.argument("bundle", type=_EXISTING)
-@click.option("--server", envvar="MCP_SERVER", show_envvar=True, default=DEFAULT_SERVER,
-              show_default=True, help="Control plane base URL.")
-@click.option("--token", envvar="MCP_TOKEN", show_envvar=True,
-              help="API token of an operator (from `mcp-controlplane init` or `login`).")
-@click.option("--timeout", type=click.FloatRange(min=1), default=600.0, show_default=True,
-              help="Seconds to wait on the network and for the server's checks.")
-@click.option("--progress/--no-progress", default=None,
-              help="Show an upload progress bar [default: when stderr is a terminal].")
+@click.option(
+    "--server",
+    envvar="MCP_SERVER",
+    show_envvar=True,
+    default=DEFAULT_SERVER,
+    show_default=True,
+    help="Control plane base URL.",
+)
+@click.option(
+    "--token",
+    envvar="MCP_TOKEN",
+    show_envvar=True,
+    help="API token of an operator (from `mcp-controlplane init` or `login`).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=600.0,
+    show_default=True,
+    help="Seconds to wait on the network and for the server's checks.",
+)
+@click.option(
+    "--progress/--no-progress",
+    default=None,
+    help="Show an upload progress bar [default: when stderr is a terminal].",
+)
 def push(
     bundle: Path, server: str, token: str | None, timeout: float, progress: bool | None
 ) -> None:
@@ -473,8 +491,10 @@ def push(
         raise CliError(f"{bundle}: {message or 'push failed'} (HTTP {status})")
     assert isinstance(answer, dict)
     if status == 200:
-        click.echo(f"{answer['model']} {answer['version']} was already published with these "
-                   "bytes; nothing changed")
+        click.echo(
+            f"{answer['model']} {answer['version']} was already published with these "
+            "bytes; nothing changed"
+        )
         return
     click.echo(
         f"published {answer['model']} {answer['version']} ({_human_size(answer['length'])}, "

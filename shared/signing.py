@@ -299,7 +299,9 @@ def verify_document(
     :class:`BadSignatureError`.
     """
     if not isinstance(envelope, dict) or set(envelope) != {"signed", "signatures"}:
-        raise MalformedSignatureError('a signed document must be {"signed": ..., "signatures": [...]}')
+        raise MalformedSignatureError(
+            'a signed document must be {"signed": ..., "signatures": [...]}'
+        )
     signed, signatures = envelope["signed"], envelope["signatures"]
     if not isinstance(signed, dict):
         raise MalformedSignatureError('"signed" must be a JSON object')
@@ -322,7 +324,5 @@ def verify_document(
             raise UnknownSignerError(
                 f"signed only by unknown key(s) {', '.join(k[:16] for k in unknown)}"
             )
-        raise UnknownSignerError(
-            f"needs {threshold} trusted signature(s), found {len(good)}"
-        )
+        raise UnknownSignerError(f"needs {threshold} trusted signature(s), found {len(good)}")
     return signed

@@ -56,7 +56,9 @@ class SemVer:
             raise VersionError(f"not a version string: {text!r:.80}")
         m = _SEMVER.match(text)
         if m is None:
-            raise VersionError(f"{text!r} is not a semantic version (expected e.g. 1.3.0 or 2.1.0-rc1)")
+            raise VersionError(
+                f"{text!r} is not a semantic version (expected e.g. 1.3.0 or 2.1.0-rc1)"
+            )
         pre = tuple(m.group(4).split(".")) if m.group(4) else ()
         build = tuple(m.group(5).split(".")) if m.group(5) else ()
         return cls(int(m.group(1)), int(m.group(2)), int(m.group(3)), pre, build)

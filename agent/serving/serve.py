@@ -160,8 +160,9 @@ async def run_server(
             await manager.load(
                 source,
                 role=cand.role,
-                canary=CanaryPolicy(weight=cand.weight,
-                                    max_error_rate=config.canary_max_error_rate),
+                canary=CanaryPolicy(
+                    weight=cand.weight, max_error_rate=config.canary_max_error_rate
+                ),
             )
         if config.watch_interval_s:
             watcher = ModelDirectoryWatcher(
@@ -282,9 +283,13 @@ def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None
     help="Default per-request deadline (504 past it).",
 )
 @click.option("--no-batching", is_flag=True, help="Run every request on its own.")
-@click.option("--inline-below-us", default=200.0, show_default=True,
-              type=click.FloatRange(0, 1_000_000),
-              help="Batches faster than this run on the event loop (0: always on worker threads).")
+@click.option(
+    "--inline-below-us",
+    default=200.0,
+    show_default=True,
+    type=click.FloatRange(0, 1_000_000),
+    help="Batches faster than this run on the event loop (0: always on worker threads).",
+)
 @click.option("--profile", default=None, help="Hardware profile to use instead of detecting one.")
 @click.option(
     "--backend",

@@ -36,7 +36,9 @@ async def list_pending(request: web.Request) -> web.Response:
     svc = services(request)
     async with svc.db.read() as tx:
         views, _ = await q.list_devices(
-            tx, DeviceFilter(statuses=[DeviceStatus.PENDING.value]), limit=MAX_PENDING_LISTED,
+            tx,
+            DeviceFilter(statuses=[DeviceStatus.PENDING.value]),
+            limit=MAX_PENDING_LISTED,
             offset=0,
         )
     return json_response(ApprovalList(items=[device_out(v) for v in views]))
@@ -45,16 +47,18 @@ async def list_pending(request: web.Request) -> web.Response:
 async def approve(request: web.Request) -> web.Response:
     service, who = enrollment(request), principal_of(request)
     body = await read_body(request, ReasonBody)
-    view = await service.approve(request.match_info["device_id"], actor=who.actor,
-                                 reason=body.reason)
+    view = await service.approve(
+        request.match_info["device_id"], actor=who.actor, reason=body.reason
+    )
     return json_response(DeviceDetail.model_validate(view))
 
 
 async def reject(request: web.Request) -> web.Response:
     service, who = enrollment(request), principal_of(request)
     body = await read_body(request, ReasonBody)
-    view = await service.reject(request.match_info["device_id"], actor=who.actor,
-                                reason=body.reason)
+    view = await service.reject(
+        request.match_info["device_id"], actor=who.actor, reason=body.reason
+    )
     return json_response(DeviceDetail.model_validate(view))
 
 
@@ -62,23 +66,57 @@ async def preauthorize(request: web.Request) -> web.Response:
     service, who = enrollment(request), principal_of(request)
     body = await read_body(request, PreauthorizeRequest)
     view = await service.preauthorize(
-        body.public_key, actor=who.actor, device_id=body.device_id, group=body.group,
+        body.public_key,
+        actor=who.actor,
+        device_id=body.device_id,
+        group=body.group,
         labels=body.labels,
     )
     return json_response(DeviceDetail.model_validate(view), 201)
 
 
 ENDPOINTS = [
-    Endpoint("GET", "/api/v1/approvals", list_pending, "Devices waiting for approval",
-             Role.VIEWER, "approvals", response=ApprovalList),
-    Endpoint("POST", "/api/v1/approvals/{device_id}/approve", approve,
-             "Accept a pending device", Role.OPERATOR, "approvals", body=ReasonBody,
-             response=DeviceDetail, answers={409: "the device is not pending"}),
-    Endpoint("POST", "/api/v1/approvals/{device_id}/reject", reject,
-             "Reject a pending device", Role.OPERATOR, "approvals", body=ReasonBody,
-             response=DeviceDetail, answers={409: "the device is not pending"}),
-    Endpoint("POST", "/api/v1/preauthorizations", preauthorize,
-             "Accept a device's public key before it enrolls (no token needed)",
-             Role.OPERATOR, "approvals", body=PreauthorizeRequest, response=DeviceDetail,
-             status=201, answers={409: "the public key or the device id is taken"}),
+    Endpoint(
+        "GET",
+        "/api/v1/approvals",
+        list_pending,
+        "Devices waiting for approval",
+        Role.VIEWER,
+        "approvals",
+        response=ApprovalList,
+    ),
+    Endpoint(
+        "POST",
+        "/api/v1/approvals/{device_id}/approve",
+        approve,
+        "Accept a pending device",
+        Role.OPERATOR,
+        "approvals",
+        body=ReasonBody,
+        response=DeviceDetail,
+        answers={409: "the device is not pending"},
+    ),
+    Endpoint(
+        "POST",
+        "/api/v1/approvals/{device_id}/reject",
+        reject,
+        "Reject a pending device",
+        Role.OPERATOR,
+        "approvals",
+        body=ReasonBody,
+        response=DeviceDetail,
+        answers={409: "the device is not pending"},
+    ),
+    Endpoint(
+        "POST",
+        "/api/v1/preauthorizations",
+        preauthorize,
+        "Accept a device's public key before it enrolls (no token needed)",
+        Role.OPERATOR,
+        "approvals",
+        body=PreauthorizeRequest,
+        response=DeviceDetail,
+        status=201,
+        answers={409: "the public key or the device id is taken"},
+    ),
 ]

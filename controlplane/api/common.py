@@ -141,7 +141,10 @@ def json_response(body: BaseModel | dict[str, Any], status: int = 200) -> web.Re
 
 
 def error_response(
-    code: ErrorCode, message: str, *, status: int | None = None,
+    code: ErrorCode,
+    message: str,
+    *,
+    status: int | None = None,
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     body = orjson.dumps({"error": message, "code": code.value})
@@ -168,9 +171,7 @@ async def read_json(request: web.Request, max_bytes: int) -> Any:
     while chunk := await request.content.read(64 * 1024):
         size += len(chunk)
         if size > max_bytes:
-            raise ApiError(
-                ErrorCode.TOO_LARGE, f"request body exceeds the {max_bytes}-byte limit"
-            )
+            raise ApiError(ErrorCode.TOO_LARGE, f"request body exceeds the {max_bytes}-byte limit")
         chunks.append(chunk)
     if size == 0:
         return {}
@@ -270,8 +271,9 @@ _ENROLLMENT_CODES: tuple[tuple[type[EnrollmentError], ErrorCode], ...] = (
 
 
 def _enrollment_code(e: EnrollmentError) -> ErrorCode:
-    return next((code for cls, code in _ENROLLMENT_CODES if isinstance(e, cls)),
-                ErrorCode.BAD_REQUEST)
+    return next(
+        (code for cls, code in _ENROLLMENT_CODES if isinstance(e, cls)), ErrorCode.BAD_REQUEST
+    )
 
 
 def _classify(e: Exception) -> web.Response:

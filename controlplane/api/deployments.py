@@ -66,11 +66,18 @@ class SelectorIn(Request):
     """Exactly one of: one device, a group, or labels that must all match."""
 
     # What _exactly_one checks, for the document: one field set (not null; labels not empty).
-    model_config = ConfigDict(json_schema_extra={"oneOf": [
-        {"required": ["device_id"], "properties": {"device_id": {"type": "string"}}},
-        {"required": ["group"], "properties": {"group": {"type": "string"}}},
-        {"required": ["labels"], "properties": {"labels": {"type": "object", "minProperties": 1}}},
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["device_id"], "properties": {"device_id": {"type": "string"}}},
+                {"required": ["group"], "properties": {"group": {"type": "string"}}},
+                {
+                    "required": ["labels"],
+                    "properties": {"labels": {"type": "object", "minProperties": 1}},
+                },
+            ]
+        }
+    )
 
     device_id: Identifier | None = None
     group: Identifier | None = None
@@ -94,23 +101,37 @@ class CanaryIn(Request):
     window (the canary's latest requests judged) is the default for every device."""
 
     version: VersionText
-    weight: Annotated[float, Field(
-        ge=0.0, le=1.0, description="share of routed requests the canary answers, 0..1",
-    )] = _CANARY.weight
-    max_error_rate: Annotated[float, Field(
-        ge=0.0, le=1.0,
-        description="share of failed canary requests, over the device's window of the "
-        f"canary's latest {_CANARY.window}, that takes the canary out of rotation, 0..1",
-    )] = _CANARY.max_error_rate
-    min_requests: Annotated[int, Field(
-        ge=1, le=_CANARY.window,
-        description="canary requests the device's window must hold before it judges the "
-        "error rate",
-    )] = _CANARY.min_requests
+    weight: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            le=1.0,
+            description="share of routed requests the canary answers, 0..1",
+        ),
+    ] = _CANARY.weight
+    max_error_rate: Annotated[
+        float,
+        Field(
+            ge=0.0,
+            le=1.0,
+            description="share of failed canary requests, over the device's window of the "
+            f"canary's latest {_CANARY.window}, that takes the canary out of rotation, 0..1",
+        ),
+    ] = _CANARY.max_error_rate
+    min_requests: Annotated[
+        int,
+        Field(
+            ge=1,
+            le=_CANARY.window,
+            description="canary requests the device's window must hold before it judges the "
+            "error rate",
+        ),
+    ] = _CANARY.min_requests
 
     def policy(self) -> CanaryPolicy:
-        return CanaryPolicy(weight=self.weight, max_error_rate=self.max_error_rate,
-                            min_requests=self.min_requests)
+        return CanaryPolicy(
+            weight=self.weight, max_error_rate=self.max_error_rate, min_requests=self.min_requests
+        )
 
 
 class DeploymentCreate(Request):
@@ -120,10 +141,14 @@ class DeploymentCreate(Request):
     """
 
     # A canary and a shadow together are refused (InvalidDeploymentError, 400).
-    model_config = ConfigDict(json_schema_extra={"not": {
-        "required": ["canary", "shadow"],
-        "properties": {"canary": {"type": "object"}, "shadow": {"type": "string"}},
-    }})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "not": {
+                "required": ["canary", "shadow"],
+                "properties": {"canary": {"type": "object"}, "shadow": {"type": "string"}},
+            }
+        }
+    )
 
     model: Identifier
     version: VersionText
@@ -234,8 +259,9 @@ def _translate(e: DeploymentError) -> ApiError:
 
 
 def _result(outcome: Outcome) -> DeploymentResult:
-    issued = [IssuedOut(device_id=i.device_id, seq=i.seq, published=i.published)
-              for i in outcome.issued]
+    issued = [
+        IssuedOut(device_id=i.device_id, seq=i.seq, published=i.published) for i in outcome.issued
+    ]
     if not outcome.publisher:
         message = f"{len(issued)} desired state(s) {NOT_PUBLISHED}"
     else:
@@ -244,8 +270,10 @@ def _result(outcome: Outcome) -> DeploymentResult:
         if waiting:
             message += f"; {waiting} wait for the broker and go out when it answers"
     return DeploymentResult(
-        deployment=DeploymentOut.model_validate(outcome.deployment), devices=issued,
-        skipped=outcome.skipped, message=message,
+        deployment=DeploymentOut.model_validate(outcome.deployment),
+        devices=issued,
+        skipped=outcome.skipped,
+        message=message,
     )
 
 
@@ -254,9 +282,13 @@ async def create_deployment(request: web.Request) -> web.Response:
     body = await read_body(request, DeploymentCreate)
     try:
         outcome = await service.deploy(
-            body.model, body.version, body.selector.selector(),
+            body.model,
+            body.version,
+            body.selector.selector(),
             canary=(body.canary.version, body.canary.policy()) if body.canary else None,
-            shadow=body.shadow, rollback=body.rollback, actor=who.actor,
+            shadow=body.shadow,
+            rollback=body.rollback,
+            actor=who.actor,
         )
     except DeploymentError as e:
         raise _translate(e) from e
@@ -305,13 +337,21 @@ async def get_desired(request: web.Request) -> web.Response:
     async with services(request).db.read() as tx:
         doc = (await q.desired_states(tx, [device_id])).get(device_id)
     if doc is None:
-        raise ApiError(ErrorCode.NOT_FOUND, f"device {device_id!r} has no desired state yet; "
-                       "deploy a model to it first")
-    return json_response(DesiredOut(
-        device_id=device_id, seq=doc.seq, issued_at=doc.issued_at, expires_at=doc.expires_at,
-        published_at=doc.published_at, published=doc.published_at is not None,
-        envelope=doc.envelope,
-    ))
+        raise ApiError(
+            ErrorCode.NOT_FOUND,
+            f"device {device_id!r} has no desired state yet; deploy a model to it first",
+        )
+    return json_response(
+        DesiredOut(
+            device_id=device_id,
+            seq=doc.seq,
+            issued_at=doc.issued_at,
+            expires_at=doc.expires_at,
+            published_at=doc.published_at,
+            published=doc.published_at is not None,
+            envelope=doc.envelope,
+        )
+    )
 
 
 async def get_device_models(request: web.Request) -> web.Response:
@@ -326,17 +366,29 @@ async def get_device_models(request: web.Request) -> web.Response:
     items: list[DeviceModelOut] = []
     for m in desired:
         status = by_name.pop(m.model, None)
-        items.append(DeviceModelOut(
-            model=m.model, desired=DesiredModelOut.model_validate(m), reported=status,
-            in_sync=current and status is not None
-            and status.get("active_version") == m.stable_version,
-        ))
-    items.extend(DeviceModelOut(model=name, desired=None, reported=status, in_sync=False)
-                 for name, status in sorted(by_name.items()))
-    return json_response(DeviceModels(
-        device_id=device_id, desired_seq=doc.seq if doc else None, applied_seq=applied,
-        reported_at=reported.received_at if reported else None, items=items,
-    ))
+        items.append(
+            DeviceModelOut(
+                model=m.model,
+                desired=DesiredModelOut.model_validate(m),
+                reported=status,
+                in_sync=current
+                and status is not None
+                and status.get("active_version") == m.stable_version,
+            )
+        )
+    items.extend(
+        DeviceModelOut(model=name, desired=None, reported=status, in_sync=False)
+        for name, status in sorted(by_name.items())
+    )
+    return json_response(
+        DeviceModels(
+            device_id=device_id,
+            desired_seq=doc.seq if doc else None,
+            applied_seq=applied,
+            reported_at=reported.received_at if reported else None,
+            items=items,
+        )
+    )
 
 
 # ---------------------------------------------------------------------------- wiring
@@ -372,8 +424,12 @@ def attach_deployments(
             # Subscribed to every desired topic: the reconciler compares what the broker
             # retains with the database after each (re)connect and on every publish by anyone.
             session = MqttSubscriber(
-                broker.address, credentials, [topics.all_devices(Channel.DESIRED)],
-                reconciler.handle, on_subscribed=reconciler.subscribed, name="desired",
+                broker.address,
+                credentials,
+                [topics.all_devices(Channel.DESIRED)],
+                reconciler.handle,
+                on_subscribed=reconciler.subscribed,
+                name="desired",
             )
             await session.start()
             opened.append(session)
@@ -394,32 +450,79 @@ def attach_deployments(
 
 
 ENDPOINTS = [
-    Endpoint("POST", "/api/v1/deployments", create_deployment,
-             "Deploy a model version to a device, group or labels; signs and publishes each "
-             "device's desired state", Role.OPERATOR, "deployments", body=DeploymentCreate,
-             response=DeploymentResult, status=201,
-             answers={400: "invalid request: the body breaks its schema, or the canary or shadow "
-                      "version equals the stable one",
-                      404: "no such model version, or no such device",
-                      409: "the device is not accepted or does not fit the version, a "
-                      "downgrade without rollback, or a new desired state would be invalid or "
-                      "too large"}),
-    Endpoint("POST", "/api/v1/deployments/undeploy", undeploy,
-             "Remove a model from a device, group or labels", Role.OPERATOR, "deployments",
-             body=UndeployRequest, response=DeploymentResult,
-             answers={404: "no such device, or it does not have the model",
-                      409: "a new desired state would be invalid or too large"}),
-    Endpoint("GET", "/api/v1/deployments", list_deployments, "Deployments, newest first",
-             Role.VIEWER, "deployments", query=DeploymentQuery, response=DeploymentList),
-    Endpoint("GET", "/api/v1/devices/{device_id}/desired", get_desired,
-             "The device's current signed desired state and its seq", Role.VIEWER,
-             "deployments", response=DesiredOut),
-    Endpoint("GET", "/api/v1/devices/{device_id}/models", get_device_models,
-             "Desired versus reported state of each model of a device", Role.VIEWER,
-             "deployments", response=DeviceModels),
-    Endpoint("DELETE", "/api/v1/devices/{device_id}/models/{model}", remove_device_model,
-             "Remove one model from one device", Role.OPERATOR, "deployments",
-             response=DeploymentResult,
-             answers={404: "no such device, or it does not have the model",
-                      409: "a new desired state would be invalid or too large"}),
+    Endpoint(
+        "POST",
+        "/api/v1/deployments",
+        create_deployment,
+        "Deploy a model version to a device, group or labels; signs and publishes each "
+        "device's desired state",
+        Role.OPERATOR,
+        "deployments",
+        body=DeploymentCreate,
+        response=DeploymentResult,
+        status=201,
+        answers={
+            400: "invalid request: the body breaks its schema, or the canary or shadow "
+            "version equals the stable one",
+            404: "no such model version, or no such device",
+            409: "the device is not accepted or does not fit the version, a "
+            "downgrade without rollback, or a new desired state would be invalid or "
+            "too large",
+        },
+    ),
+    Endpoint(
+        "POST",
+        "/api/v1/deployments/undeploy",
+        undeploy,
+        "Remove a model from a device, group or labels",
+        Role.OPERATOR,
+        "deployments",
+        body=UndeployRequest,
+        response=DeploymentResult,
+        answers={
+            404: "no such device, or it does not have the model",
+            409: "a new desired state would be invalid or too large",
+        },
+    ),
+    Endpoint(
+        "GET",
+        "/api/v1/deployments",
+        list_deployments,
+        "Deployments, newest first",
+        Role.VIEWER,
+        "deployments",
+        query=DeploymentQuery,
+        response=DeploymentList,
+    ),
+    Endpoint(
+        "GET",
+        "/api/v1/devices/{device_id}/desired",
+        get_desired,
+        "The device's current signed desired state and its seq",
+        Role.VIEWER,
+        "deployments",
+        response=DesiredOut,
+    ),
+    Endpoint(
+        "GET",
+        "/api/v1/devices/{device_id}/models",
+        get_device_models,
+        "Desired versus reported state of each model of a device",
+        Role.VIEWER,
+        "deployments",
+        response=DeviceModels,
+    ),
+    Endpoint(
+        "DELETE",
+        "/api/v1/devices/{device_id}/models/{model}",
+        remove_device_model,
+        "Remove one model from one device",
+        Role.OPERATOR,
+        "deployments",
+        response=DeploymentResult,
+        answers={
+            404: "no such device, or it does not have the model",
+            409: "a new desired state would be invalid or too large",
+        },
+    ),
 ]

@@ -1,9 +1,9 @@
 """Devices: list with filters, detail, labels, revoke.
 
-    GET   /api/v1/devices                    viewer; ?label=k=v&label=k&profile=&status=&group=&q=
-    GET   /api/v1/devices/{device_id}        viewer
-    PATCH /api/v1/devices/{device_id}/labels operator: {"set": {...}, "remove": [...]}
-    POST  /api/v1/devices/{device_id}/revoke operator: disable at the broker, refuse from now on
+GET   /api/v1/devices                    viewer; ?label=k=v&label=k&profile=&status=&group=&q=
+GET   /api/v1/devices/{device_id}        viewer
+PATCH /api/v1/devices/{device_id}/labels operator: {"set": {...}, "remove": [...]}
+POST  /api/v1/devices/{device_id}/revoke operator: disable at the broker, refuse from now on
 """
 
 from __future__ import annotations
@@ -67,8 +67,13 @@ def device_filter(query: DeviceQuery) -> DeviceFilter:
     if online and not statuses:
         statuses = [DeviceStatus.ACCEPTED.value]
     return DeviceFilter(
-        labels=labels, label_keys=keys, profile=query.profile, statuses=statuses,
-        group=query.group, online=online.pop() if len(online) == 1 else None, search=query.q,
+        labels=labels,
+        label_keys=keys,
+        profile=query.profile,
+        statuses=statuses,
+        group=query.group,
+        online=online.pop() if len(online) == 1 else None,
+        search=query.q,
     )
 
 
@@ -81,7 +86,9 @@ async def list_devices(request: web.Request) -> web.Response:
         )
     return json_response(
         DeviceList(
-            items=[device_out(v) for v in views], total=total, limit=query.limit,
+            items=[device_out(v) for v in views],
+            total=total,
+            limit=query.limit,
             offset=query.offset,
         )
     )
@@ -119,8 +126,12 @@ async def patch_labels(request: web.Request) -> web.Response:
         await q.replace_labels(tx, device_id, labels)
         view = await q.update_device(tx, device_id, now=now)
         await audit.record(
-            tx, at=now, actor=who.actor, action=AuditAction.DEVICE_LABELS_CHANGED,
-            target_type="device", target_id=device_id,
+            tx,
+            at=now,
+            actor=who.actor,
+            action=AuditAction.DEVICE_LABELS_CHANGED,
+            target_type="device",
+            target_id=device_id,
             detail={"set": body.set, "remove": body.remove},
         )
     return json_response(DeviceDetail.model_validate(view))
@@ -142,27 +153,64 @@ async def revoke_device(request: web.Request) -> web.Response:
         if view.accepted_at is not None:
             await svc.provisioner.disable_device(device_id)
         view = await q.update_device(
-            tx, device_id, now=now, status=DeviceStatus.REVOKED.value, revoked_at=now,
+            tx,
+            device_id,
+            now=now,
+            status=DeviceStatus.REVOKED.value,
+            revoked_at=now,
             online=False,
         )
         await audit.record(
-            tx, at=now, actor=who.actor, action=AuditAction.DEVICE_REVOKED,
-            target_type="device", target_id=device_id, detail={"reason": body.reason},
+            tx,
+            at=now,
+            actor=who.actor,
+            action=AuditAction.DEVICE_REVOKED,
+            target_type="device",
+            target_id=device_id,
+            detail={"reason": body.reason},
         )
     return json_response(DeviceDetail.model_validate(view))
 
 
 ENDPOINTS = [
-    Endpoint("GET", "/api/v1/devices", list_devices,
-             "List devices, filtered by label, profile, status, group", Role.VIEWER, "devices",
-             query=DeviceQuery, response=DeviceList),
-    Endpoint("GET", "/api/v1/devices/{device_id}", get_device, "One device with its facts",
-             Role.VIEWER, "devices", response=DeviceDetail),
-    Endpoint("PATCH", "/api/v1/devices/{device_id}/labels", patch_labels,
-             "Set and remove labels of a device", Role.OPERATOR, "devices", body=LabelsPatch,
-             response=DeviceDetail),
-    Endpoint("POST", "/api/v1/devices/{device_id}/revoke", revoke_device,
-             "Revoke a device: disabled at the broker and refused on every path",
-             Role.OPERATOR, "devices", body=ReasonBody, response=DeviceDetail,
-             answers={503: "database or broker unavailable; nothing changed, retry later"}),
+    Endpoint(
+        "GET",
+        "/api/v1/devices",
+        list_devices,
+        "List devices, filtered by label, profile, status, group",
+        Role.VIEWER,
+        "devices",
+        query=DeviceQuery,
+        response=DeviceList,
+    ),
+    Endpoint(
+        "GET",
+        "/api/v1/devices/{device_id}",
+        get_device,
+        "One device with its facts",
+        Role.VIEWER,
+        "devices",
+        response=DeviceDetail,
+    ),
+    Endpoint(
+        "PATCH",
+        "/api/v1/devices/{device_id}/labels",
+        patch_labels,
+        "Set and remove labels of a device",
+        Role.OPERATOR,
+        "devices",
+        body=LabelsPatch,
+        response=DeviceDetail,
+    ),
+    Endpoint(
+        "POST",
+        "/api/v1/devices/{device_id}/revoke",
+        revoke_device,
+        "Revoke a device: disabled at the broker and refused on every path",
+        Role.OPERATOR,
+        "devices",
+        body=ReasonBody,
+        response=DeviceDetail,
+        answers={503: "database or broker unavailable; nothing changed, retry later"},
+    ),
 ]

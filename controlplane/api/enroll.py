@@ -48,12 +48,22 @@ async def enroll(request: web.Request) -> web.Response:
 
 
 ENDPOINTS = [
-    Endpoint("POST", "/api/v1/enroll", enroll,
-             "Enroll a device with a signed request (no API token; ?force=true re-enrolls)",
-             None, "enrollment", body=SignedEnrollment, query=EnrollQuery,
-             response=EnrollmentAnswer, max_body=EnrollmentRequest.MAX_BYTES,
-             answers={401: "the signature does not verify with the key the request names",
-                      403: "the enrollment token or the device's state refuses it",
-                      409: "the request was seen before (replay), or the device id is taken",
-                      503: "database or broker unavailable; nothing changed, retry later"}),
+    Endpoint(
+        "POST",
+        "/api/v1/enroll",
+        enroll,
+        "Enroll a device with a signed request (no API token; ?force=true re-enrolls)",
+        None,
+        "enrollment",
+        body=SignedEnrollment,
+        query=EnrollQuery,
+        response=EnrollmentAnswer,
+        max_body=EnrollmentRequest.MAX_BYTES,
+        answers={
+            401: "the signature does not verify with the key the request names",
+            403: "the enrollment token or the device's state refuses it",
+            409: "the request was seen before (replay), or the device id is taken",
+            503: "database or broker unavailable; nothing changed, retry later",
+        },
+    ),
 ]

@@ -58,8 +58,10 @@ def _usable_public_key(value: str) -> str:
 PublicKeyHex = Annotated[
     HexKey,
     AfterValidator(_usable_public_key),
-    Field(description="an Ed25519 public key, 64 lowercase hex characters; small-order and "
-          "non-canonical encodings are refused"),
+    Field(
+        description="an Ed25519 public key, 64 lowercase hex characters; small-order and "
+        "non-canonical encodings are refused"
+    ),
 ]
 MAX_EXPIRY_S = 10 * 365 * 24 * 3600
 ExpiresIn = Annotated[int, Field(ge=60, le=MAX_EXPIRY_S, description="seconds from now")]
@@ -89,7 +91,8 @@ def _check_label_filter(item: str) -> str:
 
 
 LabelFilter = Annotated[
-    str, AfterValidator(_check_label_filter),
+    str,
+    AfterValidator(_check_label_filter),
     WithJsonSchema({"type": "string", "pattern": LABEL_FILTER_PATTERN, "maxLength": 192}),
 ]
 StatusFilter = Annotated[str, WithJsonSchema({"type": "string", "enum": list(STATUS_FILTERS)})]
@@ -336,7 +339,8 @@ PATH_PARAMETERS: dict[str, Any] = {
     "model": Identifier,
     "name": Identifier,
     "version": Annotated[
-        str, WithJsonSchema(
+        str,
+        WithJsonSchema(
             {"type": "string", "pattern": SEMVER_PATTERN, "maxLength": MAX_VERSION_LENGTH}
         ),
     ],
@@ -347,10 +351,14 @@ PATH_PARAMETERS: dict[str, Any] = {
         str, WithJsonSchema({"type": "string", "pattern": f"^{REPO_SEGMENT_PATTERN}$"})
     ],
     "path": Annotated[
-        str, WithJsonSchema({
-            "type": "string", "pattern": _REPO_TARGET_PATTERN,
-            "maxLength": MAX_PATH_LENGTH - len("targets/"),
-        }),
+        str,
+        WithJsonSchema(
+            {
+                "type": "string",
+                "pattern": _REPO_TARGET_PATTERN,
+                "maxLength": MAX_PATH_LENGTH - len("targets/"),
+            }
+        ),
     ],
 }
 """The type of every path parameter, by name, as the OpenAPI document gives it. Ids are

@@ -1,9 +1,9 @@
 """Enrollment tokens (DESIGN 4.1 step 1).
 
-    GET    /api/v1/enrollment-tokens          viewer
-    POST   /api/v1/enrollment-tokens          operator: the answer holds the token, once
-    GET    /api/v1/enrollment-tokens/{id}     viewer
-    DELETE /api/v1/enrollment-tokens/{id}     operator: revoke (kept for the audit trail)
+GET    /api/v1/enrollment-tokens          viewer
+POST   /api/v1/enrollment-tokens          operator: the answer holds the token, once
+GET    /api/v1/enrollment-tokens/{id}     viewer
+DELETE /api/v1/enrollment-tokens/{id}     operator: revoke (kept for the audit trail)
 """
 
 from __future__ import annotations
@@ -46,10 +46,18 @@ def token_out(token: EnrollmentToken, now: datetime) -> EnrollmentTokenOut:
     refusal = token_refusal(token_facts(token), now)
     state = "active" if refusal is None else _STATE_BY_REFUSAL[refusal.value]
     return EnrollmentTokenOut(
-        id=token.id, prefix=token.prefix, description=token.description,
-        group=token.group_name, labels=dict(token.labels), approval=Approval(token.approval),
-        max_uses=token.max_uses, uses=token.uses, created_at=token.created_at,
-        created_by=token.created_by, expires_at=token.expires_at, revoked_at=token.revoked_at,
+        id=token.id,
+        prefix=token.prefix,
+        description=token.description,
+        group=token.group_name,
+        labels=dict(token.labels),
+        approval=Approval(token.approval),
+        max_uses=token.max_uses,
+        uses=token.uses,
+        created_at=token.created_at,
+        created_by=token.created_by,
+        expires_at=token.expires_at,
+        revoked_at=token.revoked_at,
         state=state,
     )
 
@@ -70,17 +78,31 @@ async def create_token(request: web.Request) -> web.Response:
     expires_at = now + timedelta(seconds=body.expires_in_s) if body.expires_in_s else None
     async with svc.db.transaction() as tx:
         token = await q.create_token(
-            tx, token_hash=secret.digest, prefix=secret.prefix, now=now,
-            created_by=who.username, approval=body.approval.value, group_name=body.group,
-            labels=body.labels, max_uses=body.max_uses, expires_at=expires_at,
+            tx,
+            token_hash=secret.digest,
+            prefix=secret.prefix,
+            now=now,
+            created_by=who.username,
+            approval=body.approval.value,
+            group_name=body.group,
+            labels=body.labels,
+            max_uses=body.max_uses,
+            expires_at=expires_at,
             description=body.description,
         )
         await audit.record(
-            tx, at=now, actor=who.actor, action=AuditAction.ENROLLMENT_TOKEN_CREATED,
-            target_type="enrollment_token", target_id=token.id,
+            tx,
+            at=now,
+            actor=who.actor,
+            action=AuditAction.ENROLLMENT_TOKEN_CREATED,
+            target_type="enrollment_token",
+            target_id=token.id,
             detail={
-                "prefix": secret.prefix, "group": body.group, "labels": body.labels,
-                "max_uses": body.max_uses, "approval": body.approval.value,
+                "prefix": secret.prefix,
+                "group": body.group,
+                "labels": body.labels,
+                "max_uses": body.max_uses,
+                "approval": body.approval.value,
                 "expires_at": expires_at.isoformat() if expires_at else None,
             },
         )
@@ -105,22 +127,54 @@ async def revoke_token(request: web.Request) -> web.Response:
     async with svc.db.transaction() as tx:
         token = await q.revoke_token(tx, token_id, now)
         await audit.record(
-            tx, at=now, actor=who.actor, action=AuditAction.ENROLLMENT_TOKEN_REVOKED,
-            target_type="enrollment_token", target_id=token_id, detail={"prefix": token.prefix},
+            tx,
+            at=now,
+            actor=who.actor,
+            action=AuditAction.ENROLLMENT_TOKEN_REVOKED,
+            target_type="enrollment_token",
+            target_id=token_id,
+            detail={"prefix": token.prefix},
         )
     return json_response(token_out(token, now))
 
 
 ENDPOINTS = [
-    Endpoint("GET", "/api/v1/enrollment-tokens", list_tokens, "List enrollment tokens",
-             Role.VIEWER, "enrollment", response=EnrollmentTokenList),
-    Endpoint("POST", "/api/v1/enrollment-tokens", create_token,
-             "Create an enrollment token (the secret is in this answer only)", Role.OPERATOR,
-             "enrollment", body=EnrollmentTokenCreate, response=EnrollmentTokenCreated,
-             status=201),
-    Endpoint("GET", "/api/v1/enrollment-tokens/{token_id}", get_token,
-             "One enrollment token", Role.VIEWER, "enrollment", response=EnrollmentTokenOut),
-    Endpoint("DELETE", "/api/v1/enrollment-tokens/{token_id}", revoke_token,
-             "Revoke an enrollment token", Role.OPERATOR, "enrollment",
-             response=EnrollmentTokenOut),
+    Endpoint(
+        "GET",
+        "/api/v1/enrollment-tokens",
+        list_tokens,
+        "List enrollment tokens",
+        Role.VIEWER,
+        "enrollment",
+        response=EnrollmentTokenList,
+    ),
+    Endpoint(
+        "POST",
+        "/api/v1/enrollment-tokens",
+        create_token,
+        "Create an enrollment token (the secret is in this answer only)",
+        Role.OPERATOR,
+        "enrollment",
+        body=EnrollmentTokenCreate,
+        response=EnrollmentTokenCreated,
+        status=201,
+    ),
+    Endpoint(
+        "GET",
+        "/api/v1/enrollment-tokens/{token_id}",
+        get_token,
+        "One enrollment token",
+        Role.VIEWER,
+        "enrollment",
+        response=EnrollmentTokenOut,
+    ),
+    Endpoint(
+        "DELETE",
+        "/api/v1/enrollment-tokens/{token_id}",
+        revoke_token,
+        "Revoke an enrollment token",
+        Role.OPERATOR,
+        "enrollment",
+        response=EnrollmentTokenOut,
+    ),
 ]

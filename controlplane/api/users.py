@@ -1,12 +1,12 @@
 """Users, login and API tokens.
 
-    POST   /api/v1/auth/login            username + password → a new API token (public)
-    GET    /api/v1/auth/whoami           the caller
-    GET    /api/v1/api-tokens            the caller's API tokens (admins: everyone's)
-    DELETE /api/v1/api-tokens/{id}       revoke one (own; admins: any)
-    GET    /api/v1/users                 admin
-    POST   /api/v1/users                 admin
-    PATCH  /api/v1/users/{username}      admin: role, disabled, password
+POST   /api/v1/auth/login            username + password → a new API token (public)
+GET    /api/v1/auth/whoami           the caller
+GET    /api/v1/api-tokens            the caller's API tokens (admins: everyone's)
+DELETE /api/v1/api-tokens/{id}       revoke one (own; admins: any)
+GET    /api/v1/users                 admin
+POST   /api/v1/users                 admin
+PATCH  /api/v1/users/{username}      admin: role, disabled, password
 """
 
 from __future__ import annotations
@@ -54,9 +54,14 @@ LOGIN_MAX_BODY = 4096
 
 def _token_out(token: ApiToken, username: str) -> ApiTokenOut:
     return ApiTokenOut(
-        id=token.id, name=token.name, username=username, prefix=token.prefix,
-        created_at=token.created_at, expires_at=token.expires_at,
-        last_used_at=token.last_used_at, revoked_at=token.revoked_at,
+        id=token.id,
+        name=token.name,
+        username=username,
+        prefix=token.prefix,
+        created_at=token.created_at,
+        expires_at=token.expires_at,
+        last_used_at=token.last_used_at,
+        revoked_at=token.revoked_at,
     )
 
 
@@ -67,12 +72,21 @@ async def issue_api_token(
     secret = issue_secret(API_TOKEN_PREFIX)
     expires_at = now + expires_in if expires_in is not None else None
     token = await q.create_api_token(
-        tx, user=user, name=name, token_hash=secret.digest, prefix=secret.prefix, now=now,
+        tx,
+        user=user,
+        name=name,
+        token_hash=secret.digest,
+        prefix=secret.prefix,
+        now=now,
         expires_at=expires_at,
     )
     await audit.record(
-        tx, at=now, actor=actor, action=AuditAction.API_TOKEN_CREATED,
-        target_type="api_token", target_id=token.id,
+        tx,
+        at=now,
+        actor=actor,
+        action=AuditAction.API_TOKEN_CREATED,
+        target_type="api_token",
+        target_id=token.id,
         detail={"user": user.username, "name": name, "prefix": secret.prefix},
     )
     return ApiTokenCreated(**_token_out(token, user.username).model_dump(), token=secret.token)
@@ -92,8 +106,12 @@ async def login(request: web.Request) -> web.Response:
     expires = timedelta(seconds=body.expires_in_s) if body.expires_in_s else None
     async with svc.db.transaction() as tx:
         created = await issue_api_token(
-            tx, user, name=body.token_name, actor=f"user:{user.username}",
-            expires_in=expires, now=now,
+            tx,
+            user,
+            name=body.token_name,
+            actor=f"user:{user.username}",
+            expires_in=expires,
+            now=now,
         )
     return json_response(created, 201)
 
@@ -121,8 +139,13 @@ async def revoke_api_token(request: web.Request) -> web.Response:
         username = found[1]
         token = await q.revoke_api_token(tx, token_id, now)
         await audit.record(
-            tx, at=now, actor=who.actor, action=AuditAction.API_TOKEN_REVOKED,
-            target_type="api_token", target_id=token_id, detail={"prefix": token.prefix},
+            tx,
+            at=now,
+            actor=who.actor,
+            action=AuditAction.API_TOKEN_REVOKED,
+            target_type="api_token",
+            target_id=token_id,
+            detail={"prefix": token.prefix},
         )
     return json_response(_token_out(token, username))
 
@@ -141,12 +164,20 @@ async def create_user(request: web.Request) -> web.Response:
     now = svc.clock()
     async with svc.db.transaction() as tx:
         user = await q.create_user(
-            tx, username=body.username, password_hash=password_hash, role=body.role.value,
+            tx,
+            username=body.username,
+            password_hash=password_hash,
+            role=body.role.value,
             now=now,
         )
         await audit.record(
-            tx, at=now, actor=who.actor, action=AuditAction.USER_CREATED, target_type="user",
-            target_id=user.username, detail={"role": body.role.value},
+            tx,
+            at=now,
+            actor=who.actor,
+            action=AuditAction.USER_CREATED,
+            target_type="user",
+            target_id=user.username,
+            detail={"role": body.role.value},
         )
     return json_response(UserOut.model_validate(user), 201)
 
@@ -169,39 +200,96 @@ async def update_user(request: web.Request) -> web.Response:
     now = svc.clock()
     async with svc.db.transaction() as tx:
         user = await q.update_user(
-            tx, username, now=now, role=body.role.value if body.role else None,
-            disabled=body.disabled, password_hash=password_hash,
+            tx,
+            username,
+            now=now,
+            role=body.role.value if body.role else None,
+            disabled=body.disabled,
+            password_hash=password_hash,
         )
         changed = {k: v for k, v in body.model_dump(mode="json").items() if v is not None}
         if "password" in changed:
             changed["password"] = "changed"
         await audit.record(
-            tx, at=now, actor=who.actor, action=AuditAction.USER_UPDATED, target_type="user",
-            target_id=username, detail=changed,
+            tx,
+            at=now,
+            actor=who.actor,
+            action=AuditAction.USER_UPDATED,
+            target_type="user",
+            target_id=username,
+            detail=changed,
         )
     return json_response(UserOut.model_validate(user))
 
 
 ENDPOINTS = [
-    Endpoint("POST", "/api/v1/auth/login", login, "Log in: trade a password for an API token",
-             None, "auth", body=LoginRequest, response=ApiTokenCreated, status=201,
-             max_body=LOGIN_MAX_BODY,
-             answers={401: "wrong username or password, or the user is disabled",
-                      503: "database unavailable; retry later"}),
-    Endpoint("GET", "/api/v1/auth/whoami", whoami, "The caller's user and role", Role.VIEWER,
-             "auth", response=WhoAmI),
-    Endpoint("GET", "/api/v1/api-tokens", list_api_tokens,
-             "List API tokens (own; admins see all)", Role.VIEWER, "auth",
-             response=ApiTokenList),
-    Endpoint("DELETE", "/api/v1/api-tokens/{token_id}", revoke_api_token,
-             "Revoke an API token", Role.VIEWER, "auth", response=ApiTokenOut),
-    Endpoint("GET", "/api/v1/users", list_users, "List users", Role.ADMIN, "users",
-             response=UserList),
-    Endpoint("POST", "/api/v1/users", create_user, "Create a user", Role.ADMIN, "users",
-             body=UserCreate, response=UserOut, status=201,
-             answers={409: "a user of that name exists"}),
-    Endpoint("PATCH", "/api/v1/users/{username}", update_user,
-             "Change a user's role, password or disabled flag", Role.ADMIN, "users",
-             body=UserUpdate, response=UserOut,
-             answers={409: "an admin cannot disable or demote themselves"}),
+    Endpoint(
+        "POST",
+        "/api/v1/auth/login",
+        login,
+        "Log in: trade a password for an API token",
+        None,
+        "auth",
+        body=LoginRequest,
+        response=ApiTokenCreated,
+        status=201,
+        max_body=LOGIN_MAX_BODY,
+        answers={
+            401: "wrong username or password, or the user is disabled",
+            503: "database unavailable; retry later",
+        },
+    ),
+    Endpoint(
+        "GET",
+        "/api/v1/auth/whoami",
+        whoami,
+        "The caller's user and role",
+        Role.VIEWER,
+        "auth",
+        response=WhoAmI,
+    ),
+    Endpoint(
+        "GET",
+        "/api/v1/api-tokens",
+        list_api_tokens,
+        "List API tokens (own; admins see all)",
+        Role.VIEWER,
+        "auth",
+        response=ApiTokenList,
+    ),
+    Endpoint(
+        "DELETE",
+        "/api/v1/api-tokens/{token_id}",
+        revoke_api_token,
+        "Revoke an API token",
+        Role.VIEWER,
+        "auth",
+        response=ApiTokenOut,
+    ),
+    Endpoint(
+        "GET", "/api/v1/users", list_users, "List users", Role.ADMIN, "users", response=UserList
+    ),
+    Endpoint(
+        "POST",
+        "/api/v1/users",
+        create_user,
+        "Create a user",
+        Role.ADMIN,
+        "users",
+        body=UserCreate,
+        response=UserOut,
+        status=201,
+        answers={409: "a user of that name exists"},
+    ),
+    Endpoint(
+        "PATCH",
+        "/api/v1/users/{username}",
+        update_user,
+        "Change a user's role, password or disabled flag",
+        Role.ADMIN,
+        "users",
+        body=UserUpdate,
+        response=UserOut,
+        answers={409: "an admin cannot disable or demote themselves"},
+    ),
 ]

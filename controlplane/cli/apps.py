@@ -47,11 +47,19 @@ def infer_command_line(answer: Mapping[str, Any]) -> str:
     """A shell line that asks the fleet with the new account (model and data to fill in)."""
     urls = answer.get("broker_urls") or []
     target, tls = infer_target(urls[0]) if urls else ("HOST:PORT", False)
-    args = ["mcp-agent", "infer", "--mqtt", target, *(["--tls"] if tls else []),
-            "--client-id", answer["client_id"], "--username", answer["username"]]
+    args = [
+        "mcp-agent",
+        "infer",
+        "--mqtt",
+        target,
+        *(["--tls"] if tls else []),
+        "--client-id",
+        answer["client_id"],
+        "--username",
+        answer["username"],
+    ]
     password = shlex.quote(answer["password"])
-    return (f"MCP_MQTT_PASSWORD={password} {shlex.join(args)} "
-            "--model MODEL --data '[[...]]'")
+    return f"MCP_MQTT_PASSWORD={password} {shlex.join(args)} --model MODEL --data '[[...]]'"
 
 
 @click.group()
@@ -63,8 +71,9 @@ def apps() -> None:
 @api_options
 @click.argument("client_id")
 @click.option("--description", default="", help="What the application is (shown in `list`).")
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the whole answer, password included, as JSON.")
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the whole answer, password included, as JSON."
+)
 def apps_create(
     server: str, token: str | None, client_id: str, description: str, as_json: bool
 ) -> None:
@@ -104,8 +113,17 @@ def apps_list(server: str, token: str | None, as_json: bool) -> None:
         return
     print_table(
         ["client id", "state", "created", "by", "revoked", "description"],
-        [[a["client_id"], a["state"], fmt_time(a["created_at"]), a["created_by"],
-          fmt_time(a["revoked_at"]), a["description"] or "-"] for a in items],
+        [
+            [
+                a["client_id"],
+                a["state"],
+                fmt_time(a["created_at"]),
+                a["created_by"],
+                fmt_time(a["revoked_at"]),
+                a["description"] or "-",
+            ]
+            for a in items
+        ],
     )
 
 
@@ -115,8 +133,10 @@ def apps_list(server: str, token: str | None, as_json: bool) -> None:
 def apps_revoke(server: str, token: str | None, client_id: str) -> None:
     """Revoke CLIENT_ID: the broker refuses its logins and closes a live session."""
     answer = ApiClient(server, token).call("DELETE", "/api/v1/apps/" + quote(client_id, safe=""))
-    click.echo(f"app client {answer['client_id']} is {answer['state']} "
-               f"(since {fmt_time(answer['revoked_at'])})")
+    click.echo(
+        f"app client {answer['client_id']} is {answer['state']} "
+        f"(since {fmt_time(answer['revoked_at'])})"
+    )
 
 
 COMMANDS = [apps]

@@ -47,8 +47,12 @@ class ApiClient:
         return asyncio.run(self._call(method, path, body, params, auth))
 
     async def _call(
-        self, method: str, path: str, body: Mapping[str, Any] | None,
-        params: Sequence[tuple[str, str]] | None, auth: bool,
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        params: Sequence[tuple[str, str]] | None,
+        auth: bool,
     ) -> Any:
         headers = {"Accept": "application/json"}
         if auth and self.token:
@@ -59,13 +63,18 @@ class ApiClient:
             headers["Content-Type"] = "application/json"
         timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
         try:
-            async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
-                method, url, data=data, params=list(params or []), headers=headers
-            ) as response:
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.request(
+                    method, url, data=data, params=list(params or []), headers=headers
+                ) as response,
+            ):
                 raw = await response.read()
                 status = response.status
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise click.ClickException(f"cannot reach {self.server}: {e or type(e).__name__}") from e
+            raise click.ClickException(
+                f"cannot reach {self.server}: {e or type(e).__name__}"
+            ) from e
         try:
             answer = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError as e:
@@ -82,12 +91,18 @@ class ApiClient:
 def api_options(func: F) -> F:
     """Add ``--server`` / ``--token`` (env ``MCP_SERVER`` / ``MCP_TOKEN``) as ``client``."""
     func = click.option(
-        "--token", envvar="MCP_TOKEN", show_envvar=True,
+        "--token",
+        envvar="MCP_TOKEN",
+        show_envvar=True,
         help="API token (from `init` or `login`).",
     )(func)
     func = click.option(
-        "--server", envvar="MCP_SERVER", show_envvar=True, default=DEFAULT_SERVER,
-        show_default=True, help="Control plane base URL.",
+        "--server",
+        envvar="MCP_SERVER",
+        show_envvar=True,
+        default=DEFAULT_SERVER,
+        show_default=True,
+        help="Control plane base URL.",
     )(func)
     return func
 

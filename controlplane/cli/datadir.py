@@ -41,8 +41,11 @@ def data_dir_option(help_text: str) -> Callable[[F], F]:
 
     def decorate(func: F) -> F:
         return click.option(
-            "--data-dir", type=click.Path(file_okay=False, path_type=Path),
-            envvar="MCP_DATA_DIR", show_envvar=True, help=help_text,
+            "--data-dir",
+            type=click.Path(file_okay=False, path_type=Path),
+            envvar="MCP_DATA_DIR",
+            show_envvar=True,
+            help=help_text,
         )(func)
 
     return decorate

@@ -33,8 +33,11 @@ from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY as CANARY
 
 
 def _selector(device: str | None, group: str | None, labels: Sequence[str]) -> dict[str, Any]:
-    given = [name for name, value in (("--device", device), ("--group", group),
-                                      ("--label", labels)) if value]
+    given = [
+        name
+        for name, value in (("--device", device), ("--group", group), ("--label", labels))
+        if value
+    ]
     if len(given) != 1:
         raise click.UsageError(
             "select devices with exactly one of --device, --group or --label k=v "
@@ -48,8 +51,13 @@ def _selector(device: str | None, group: str | None, labels: Sequence[str]) -> d
 
 
 def _selector_options(func: Any) -> Any:
-    func = click.option("--label", "labels", multiple=True, metavar="K=V",
-                        help="Devices with this label; repeatable, all must match.")(func)
+    func = click.option(
+        "--label",
+        "labels",
+        multiple=True,
+        metavar="K=V",
+        help="Devices with this label; repeatable, all must match.",
+    )(func)
     func = click.option("--group", help="Every accepted device of this group.")(func)
     func = click.option("--device", help="One device, by id.")(func)
     return func
@@ -66,8 +74,7 @@ def _describe(d: dict[str, Any]) -> str:
 def _print_result(answer: dict[str, Any]) -> None:
     d = answer["deployment"]
     what = f"{d['model']} {d['version']}" if d["action"] == "deploy" else f"{d['model']} removed"
-    click.echo(f"deployment {d['id']}: {what} → {_describe(d)}: "
-               f"{len(answer['devices'])} device(s)")
+    click.echo(f"deployment {d['id']}: {what} → {_describe(d)}: {len(answer['devices'])} device(s)")
     for item in answer["devices"]:
         state = "published" if item["published"] else "not published yet"
         click.echo(f"  {item['device_id']}  seq {item['seq']}  {state}")
@@ -81,22 +88,44 @@ def _print_result(answer: dict[str, Any]) -> None:
 @click.argument("model")
 @click.argument("version")
 @_selector_options
-@click.option("--canary", metavar="VERSION", help="Serve this version beside stable to a share "
-              "of requests.")
-@click.option("--weight", type=click.FloatRange(0.0, 1.0), help="The canary's share of "
-              f"requests (0..1; default {CANARY.weight}).")
-@click.option("--max-error-rate", type=click.FloatRange(0.0, 1.0), help="Share of failed canary "
-              "requests that makes a device take the canary out of rotation (0..1; default "
-              f"{CANARY.max_error_rate}).")
-@click.option("--min-requests", type=click.IntRange(1, CANARY.window), help="Canary requests a "
-              f"device judges before it may take the canary out (default {CANARY.min_requests}).")
+@click.option(
+    "--canary", metavar="VERSION", help="Serve this version beside stable to a share of requests."
+)
+@click.option(
+    "--weight",
+    type=click.FloatRange(0.0, 1.0),
+    help=f"The canary's share of requests (0..1; default {CANARY.weight}).",
+)
+@click.option(
+    "--max-error-rate",
+    type=click.FloatRange(0.0, 1.0),
+    help="Share of failed canary "
+    "requests that makes a device take the canary out of rotation (0..1; default "
+    f"{CANARY.max_error_rate}).",
+)
+@click.option(
+    "--min-requests",
+    type=click.IntRange(1, CANARY.window),
+    help="Canary requests a "
+    f"device judges before it may take the canary out (default {CANARY.min_requests}).",
+)
 @click.option("--shadow", metavar="VERSION", help="Run this version on copies of requests.")
 @click.option("--rollback", is_flag=True, help="Allow going below a device's current version.")
 @click.option("--json", "as_json", is_flag=True, help="Print the whole answer as JSON.")
 def deploy(
-    server: str, token: str | None, model: str, version: str, device: str | None,
-    group: str | None, labels: tuple[str, ...], canary: str | None, weight: float | None,
-    max_error_rate: float | None, min_requests: int | None, shadow: str | None, rollback: bool,
+    server: str,
+    token: str | None,
+    model: str,
+    version: str,
+    device: str | None,
+    group: str | None,
+    labels: tuple[str, ...],
+    canary: str | None,
+    weight: float | None,
+    max_error_rate: float | None,
+    min_requests: int | None,
+    shadow: str | None,
+    rollback: bool,
     as_json: bool,
 ) -> None:
     """Make VERSION of MODEL the stable version on the selected devices.
@@ -105,15 +134,28 @@ def deploy(
     topic. Going below a device's current version needs --rollback.
     """
     selector = _selector(device, group, labels)
-    policy = {name: value for name, value in (("weight", weight), ("max_error_rate",
-              max_error_rate), ("min_requests", min_requests)) if value is not None}
+    policy = {
+        name: value
+        for name, value in (
+            ("weight", weight),
+            ("max_error_rate", max_error_rate),
+            ("min_requests", min_requests),
+        )
+        if value is not None
+    }
     if policy and canary is None:
-        raise click.UsageError("--weight, --max-error-rate and --min-requests set the canary's "
-                               "policy; give --canary VERSION too")
+        raise click.UsageError(
+            "--weight, --max-error-rate and --min-requests set the canary's "
+            "policy; give --canary VERSION too"
+        )
     if canary and shadow:
         raise click.UsageError("a model takes a canary or a shadow, not both")
-    body: dict[str, Any] = {"model": model, "version": version, "selector": selector,
-                            "rollback": rollback}
+    body: dict[str, Any] = {
+        "model": model,
+        "version": version,
+        "selector": selector,
+        "rollback": rollback,
+    }
     if canary:
         body["canary"] = {"version": canary, **policy}
     if shadow:
@@ -131,8 +173,13 @@ def deploy(
 @_selector_options
 @click.option("--json", "as_json", is_flag=True, help="Print the whole answer as JSON.")
 def undeploy(
-    server: str, token: str | None, model: str, device: str | None, group: str | None,
-    labels: tuple[str, ...], as_json: bool,
+    server: str,
+    token: str | None,
+    model: str,
+    device: str | None,
+    group: str | None,
+    labels: tuple[str, ...],
+    as_json: bool,
 ) -> None:
     """Remove MODEL from the selected devices (a group or label undeploy also stops devices
     accepted later from getting it)."""
@@ -165,9 +212,20 @@ def deployments_list(
         return
     print_table(
         ["id", "action", "model", "version", "selector", "extra", "devices", "by", "at"],
-        [[d["id"], d["action"], d["model"], d["version"] or "-", _describe(d),
-          _extra(d), d["devices_matched"], d["created_by"], fmt_time(d["created_at"])]
-         for d in items],
+        [
+            [
+                d["id"],
+                d["action"],
+                d["model"],
+                d["version"] or "-",
+                _describe(d),
+                _extra(d),
+                d["devices_matched"],
+                d["created_by"],
+                fmt_time(d["created_at"]),
+            ]
+            for d in items
+        ],
     )
 
 
@@ -205,17 +263,27 @@ def desired_show(
         print_json(answer if as_json else answer["envelope"])
         return
     published = fmt_time(answer["published_at"]) if answer["published"] else "not yet"
-    click.echo(f"device {answer['device_id']}  seq {answer['seq']}  issued "
-               f"{fmt_time(answer['issued_at'])}  expires {fmt_time(answer['expires_at'])}  "
-               f"published {published}")
+    click.echo(
+        f"device {answer['device_id']}  seq {answer['seq']}  issued "
+        f"{fmt_time(answer['issued_at'])}  expires {fmt_time(answer['expires_at'])}  "
+        f"published {published}"
+    )
     models = answer["envelope"]["signed"].get("models", [])
     print_table(
         ["model", "stable", "canary", "shadow", "rollback", "sha256"],
-        [[m["name"], m["stable"]["version"],
-          f"{m['canary']['target']['version']}@{m['canary']['weight']}" if m.get("canary")
-          else "-", m["shadow"]["version"] if m.get("shadow") else "-",
-          "yes" if m.get("rollback") else "no", m["stable"]["sha256"][:12]]
-         for m in models],
+        [
+            [
+                m["name"],
+                m["stable"]["version"],
+                f"{m['canary']['target']['version']}@{m['canary']['weight']}"
+                if m.get("canary")
+                else "-",
+                m["shadow"]["version"] if m.get("shadow") else "-",
+                "yes" if m.get("rollback") else "no",
+                m["stable"]["sha256"][:12],
+            ]
+            for m in models
+        ],
     )
 
 
@@ -229,14 +297,22 @@ def desired_models(server: str, token: str | None, device_id: str, as_json: bool
     if as_json:
         print_json(answer)
         return
-    click.echo(f"device {answer['device_id']}  desired seq {answer['desired_seq'] or '-'}  "
-               f"applied seq {answer['applied_seq'] if answer['applied_seq'] is not None else '-'}")
+    click.echo(
+        f"device {answer['device_id']}  desired seq {answer['desired_seq'] or '-'}  "
+        f"applied seq {answer['applied_seq'] if answer['applied_seq'] is not None else '-'}"
+    )
     print_table(
         ["model", "desired", "active", "phase", "in sync"],
-        [[m["model"], (m["desired"] or {}).get("stable_version", "-"),
-          (m["reported"] or {}).get("active_version") or "-",
-          (m["reported"] or {}).get("phase", "-"), "yes" if m["in_sync"] else "no"]
-         for m in answer["items"]],
+        [
+            [
+                m["model"],
+                (m["desired"] or {}).get("stable_version", "-"),
+                (m["reported"] or {}).get("active_version") or "-",
+                (m["reported"] or {}).get("phase", "-"),
+                "yes" if m["in_sync"] else "no",
+            ]
+            for m in answer["items"]
+        ],
     )
 
 

@@ -41,23 +41,37 @@ def _dev(device_id: str) -> str:
 @click.command()
 @api_options
 @click.option("--username", "-u", required=True)
-@click.option("--password-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Read the password from this file instead of prompting.")
+@click.option(
+    "--password-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Read the password from this file instead of prompting.",
+)
 @click.option("--name", default="cli", show_default=True, help="A name for the new token.")
 @click.option("--expires", default="30d", show_default=True, help="Token lifetime (or never).")
 def login(
-    server: str, token: str | None, username: str, password_file: Path | None, name: str,
+    server: str,
+    token: str | None,
+    username: str,
+    password_file: Path | None,
+    name: str,
     expires: str,
 ) -> None:
     """Trade a username and password for an API token (printed once)."""
     password = (
-        password_file.read_text(encoding="utf-8").rstrip("\r\n") if password_file
+        password_file.read_text(encoding="utf-8").rstrip("\r\n")
+        if password_file
         else str(click.prompt("Password", hide_input=True))
     )
     answer = ApiClient(server, None).call(
-        "POST", "/api/v1/auth/login", auth=False,
-        body={"username": username, "password": password, "token_name": name,
-              "expires_in_s": parse_duration(expires)},
+        "POST",
+        "/api/v1/auth/login",
+        auth=False,
+        body={
+            "username": username,
+            "password": password,
+            "token_name": name,
+            "expires_in_s": parse_duration(expires),
+        },
     )
     click.echo(answer["token"])
 
@@ -95,8 +109,10 @@ def users_list(server: str, token: str | None, as_json: bool) -> None:
         return
     print_table(
         ["username", "role", "disabled", "created"],
-        [[u["username"], u["role"], "yes" if u["disabled"] else "no", fmt_time(u["created_at"])]
-         for u in items],
+        [
+            [u["username"], u["role"], "yes" if u["disabled"] else "no", fmt_time(u["created_at"])]
+            for u in items
+        ],
     )
 
 
@@ -107,7 +123,11 @@ def users_list(server: str, token: str | None, as_json: bool) -> None:
 @click.option("--disable/--enable", "disabled", default=None)
 @click.option("--password-file", type=click.Path(dir_okay=False, path_type=Path))
 def users_set(
-    server: str, token: str | None, username: str, role: str | None, disabled: bool | None,
+    server: str,
+    token: str | None,
+    username: str,
+    role: str | None,
+    disabled: bool | None,
     password_file: Path | None,
 ) -> None:
     """Change a user's role, disabled flag or password."""
@@ -116,7 +136,9 @@ def users_set(
         body["password"] = _read_secret(password_file, "")
     body = {k: v for k, v in body.items() if v is not None}
     if not body:
-        raise click.UsageError("nothing to change: give --role, --disable/--enable or --password-file")
+        raise click.UsageError(
+            "nothing to change: give --role, --disable/--enable or --password-file"
+        )
     user = ApiClient(server, token).call("PATCH", "/api/v1/users/" + quote(username), body=body)
     click.echo(f"{user['username']}: {user['role']}{' (disabled)' if user['disabled'] else ''}")
 
@@ -133,24 +155,42 @@ def tokens() -> None:
 @click.option("--labels", "labels", multiple=True, help="k=v[,k=v]; repeatable.")
 @click.option("--uses", type=click.IntRange(min=1), help="How many devices may use it.")
 @click.option("--expires", default="7d", show_default=True, help="Lifetime: 30m, 12h, 7d, never.")
-@click.option("--approval", type=click.Choice(["auto", "manual"]), default="auto",
-              show_default=True, help="manual: devices wait in `devices pending`.")
+@click.option(
+    "--approval",
+    type=click.Choice(["auto", "manual"]),
+    default="auto",
+    show_default=True,
+    help="manual: devices wait in `devices pending`.",
+)
 @click.option("--description", default="")
 def tokens_create(
-    server: str, token: str | None, group: str | None, labels: tuple[str, ...],
-    uses: int | None, expires: str, approval: str, description: str,
+    server: str,
+    token: str | None,
+    group: str | None,
+    labels: tuple[str, ...],
+    uses: int | None,
+    expires: str,
+    approval: str,
+    description: str,
 ) -> None:
     """Create an enrollment token; the token is printed once, on the last line."""
     answer = ApiClient(server, token).call(
-        "POST", "/api/v1/enrollment-tokens",
-        body={"group": group, "labels": parse_labels(labels), "max_uses": uses,
-              "expires_in_s": parse_duration(expires), "approval": approval,
-              "description": description},
+        "POST",
+        "/api/v1/enrollment-tokens",
+        body={
+            "group": group,
+            "labels": parse_labels(labels),
+            "max_uses": uses,
+            "expires_in_s": parse_duration(expires),
+            "approval": approval,
+            "description": description,
+        },
     )
     uses_text = f"{answer['max_uses']} uses" if answer["max_uses"] else "unlimited uses"
     click.echo(
         f"enrollment token {answer['id']} ({uses_text}, expires "
-        f"{fmt_time(answer['expires_at'])}, approval {answer['approval']}):", err=True
+        f"{fmt_time(answer['expires_at'])}, approval {answer['approval']}):",
+        err=True,
     )
     click.echo(answer["token"])
 
@@ -166,9 +206,19 @@ def tokens_list(server: str, token: str | None, as_json: bool) -> None:
         return
     print_table(
         ["id", "prefix", "state", "group", "labels", "uses", "approval", "expires"],
-        [[t["id"], t["prefix"], t["state"], t["group"], fmt_labels(t["labels"]),
-          f"{t['uses']}/{t['max_uses'] or '∞'}", t["approval"], fmt_time(t["expires_at"])]
-         for t in items],
+        [
+            [
+                t["id"],
+                t["prefix"],
+                t["state"],
+                t["group"],
+                fmt_labels(t["labels"]),
+                f"{t['uses']}/{t['max_uses'] or '∞'}",
+                t["approval"],
+                fmt_time(t["expires_at"]),
+            ]
+            for t in items
+        ],
     )
 
 
@@ -189,8 +239,15 @@ def devices() -> None:
 
 def _device_rows(items: list[dict[str, Any]]) -> list[list[object]]:
     return [
-        [d["id"], d["status"], "online" if d["online"] else "offline", d["profile"], d["group"],
-         fmt_labels(d["labels"]), fmt_time(d["last_seen_at"])]
+        [
+            d["id"],
+            d["status"],
+            "online" if d["online"] else "offline",
+            d["profile"],
+            d["group"],
+            fmt_labels(d["labels"]),
+            fmt_time(d["last_seen_at"]),
+        ]
         for d in items
     ]
 
@@ -208,8 +265,15 @@ DEVICE_HEADERS = ["id", "status", "connection", "profile", "group", "labels", "l
 @click.option("--offset", type=click.IntRange(min=0), default=0)
 @click.option("--json", "as_json", is_flag=True)
 def devices_list(
-    server: str, token: str | None, labels: tuple[str, ...], profile: str | None,
-    statuses: tuple[str, ...], group: str | None, limit: int, offset: int, as_json: bool,
+    server: str,
+    token: str | None,
+    labels: tuple[str, ...],
+    profile: str | None,
+    statuses: tuple[str, ...],
+    group: str | None,
+    limit: int,
+    offset: int,
+    as_json: bool,
 ) -> None:
     """List devices matching all the filters given."""
     params = [("label", label) for label in labels] + [("status", s) for s in statuses]
@@ -259,7 +323,9 @@ def devices_label(server: str, token: str | None, device_id: str, changes: tuple
 @click.option("--reason", default="")
 def devices_revoke(server: str, token: str | None, device_id: str, reason: str) -> None:
     """Revoke a device: its broker account is disabled and it is refused from now on."""
-    answer = ApiClient(server, token).call("POST", _dev(device_id) + "/revoke", body={"reason": reason})
+    answer = ApiClient(server, token).call(
+        "POST", _dev(device_id) + "/revoke", body={"reason": reason}
+    )
     click.echo(f"{answer['id']}: {answer['status']}")
 
 
@@ -274,8 +340,17 @@ def devices_pending(server: str, token: str | None, as_json: bool) -> None:
         return
     print_table(
         ["id", "profile", "group", "labels", "public key", "asked"],
-        [[d["id"], d["profile"], d["group"], fmt_labels(d["labels"]), d["public_key"][:16],
-          fmt_time(d["created_at"])] for d in items],
+        [
+            [
+                d["id"],
+                d["profile"],
+                d["group"],
+                fmt_labels(d["labels"]),
+                d["public_key"][:16],
+                fmt_time(d["created_at"]),
+            ]
+            for d in items
+        ],
     )
 
 
@@ -285,7 +360,8 @@ def _decide(verb: str) -> click.Command:
     @click.option("--reason", default="")
     def command(server: str, token: str | None, device_id: str, reason: str) -> None:
         answer = ApiClient(server, token).call(
-            "POST", f"/api/v1/approvals/{quote(device_id, safe='')}/{verb}",
+            "POST",
+            f"/api/v1/approvals/{quote(device_id, safe='')}/{verb}",
             body={"reason": reason},
         )
         click.echo(f"{answer['id']}: {answer['status']}")
@@ -305,14 +381,23 @@ devices.add_command(_decide("reject"))
 @click.option("--group")
 @click.option("--labels", "labels", multiple=True, help="k=v[,k=v]; repeatable.")
 def devices_preauthorize(
-    server: str, token: str | None, public_key: str, device_id: str | None, group: str | None,
+    server: str,
+    token: str | None,
+    public_key: str,
+    device_id: str | None,
+    group: str | None,
     labels: tuple[str, ...],
 ) -> None:
     """Accept a device by public key before it enrolls (it then needs no valid token)."""
     answer = ApiClient(server, token).call(
-        "POST", "/api/v1/preauthorizations",
-        body={"public_key": public_key.strip().lower(), "device_id": device_id, "group": group,
-              "labels": parse_labels(labels)},
+        "POST",
+        "/api/v1/preauthorizations",
+        body={
+            "public_key": public_key.strip().lower(),
+            "device_id": device_id,
+            "group": group,
+            "labels": parse_labels(labels),
+        },
     )
     click.echo(f"{answer['id']}: {answer['status']}")
 
@@ -332,8 +417,16 @@ def audit(server: str, token: str | None, limit: int, action: str | None, as_jso
         return
     print_table(
         ["id", "at", "actor", "action", "target"],
-        [[e["id"], fmt_time(e["at"]), e["actor"], e["action"],
-          f"{e['target_type']}:{e['target_id']}"] for e in items],
+        [
+            [
+                e["id"],
+                fmt_time(e["at"]),
+                e["actor"],
+                e["action"],
+                f"{e['target_type']}:{e['target_id']}",
+            ]
+            for e in items
+        ],
     )
 
 

@@ -22,7 +22,8 @@ from mcp_edge.controlplane.cli.server import COMMANDS as SERVER
 def main(verbose: bool) -> None:
     """MCP Edge control plane."""
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+        level=logging.DEBUG if verbose else logging.INFO,
+        stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if not verbose:  # Alembic narrates every plugin and context at INFO

@@ -50,25 +50,46 @@ def install_event_loop() -> str:
 @data_dir_option(_DATA_DIR_HELP)
 @click.option("--database-url", help="postgresql://USER@HOST/DB (default: SQLite in the data dir).")
 @click.option("--listen", help="HOST:PORT for serve (default 127.0.0.1:8080).")
-@click.option("--broker-url", "broker_urls", multiple=True,
-              help="MQTT URL given to devices; repeatable.")
-@click.option("--approval", type=click.Choice([a.value for a in EnrollmentApproval]),
-              help="token: each token decides; manual: every new device waits for approval.")
+@click.option(
+    "--broker-url", "broker_urls", multiple=True, help="MQTT URL given to devices; repeatable."
+)
+@click.option(
+    "--approval",
+    type=click.Choice([a.value for a in EnrollmentApproval]),
+    help="token: each token decides; manual: every new device waits for approval.",
+)
 @click.option("--admin-user", help="Create this admin (default 'admin' when there is no user).")
-@click.option("--admin-password-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="Read the admin password from this file (else prompt).")
-@click.option("--broker-admin-url",
-              help="mqtt://HOST:PORT where serve reaches the broker's dynamic-security plugin.")
+@click.option(
+    "--admin-password-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Read the admin password from this file (else prompt).",
+)
+@click.option(
+    "--broker-admin-url",
+    help="mqtt://HOST:PORT where serve reaches the broker's dynamic-security plugin.",
+)
 @click.option("--broker-admin-user", help="The dynamic-security admin account.")
-@click.option("--broker-admin-password-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="File holding that account's password (read at serve time).")
-@click.option("--telemetry-retention-days", type=click.IntRange(min=1),
-              help="Keep health samples this many days (default 7).")
+@click.option(
+    "--broker-admin-password-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="File holding that account's password (read at serve time).",
+)
+@click.option(
+    "--telemetry-retention-days",
+    type=click.IntRange(min=1),
+    help="Keep health samples this many days (default 7).",
+)
 def init(
-    data_dir: Path | None, database_url: str | None, listen: str | None,
-    broker_urls: tuple[str, ...], approval: str | None, admin_user: str | None,
-    admin_password_file: Path | None, broker_admin_url: str | None,
-    broker_admin_user: str | None, broker_admin_password_file: Path | None,
+    data_dir: Path | None,
+    database_url: str | None,
+    listen: str | None,
+    broker_urls: tuple[str, ...],
+    approval: str | None,
+    admin_user: str | None,
+    admin_password_file: Path | None,
+    broker_admin_url: str | None,
+    broker_admin_user: str | None,
+    broker_admin_password_file: Path | None,
     telemetry_retention_days: int | None,
 ) -> None:
     """Create the data dir and database (or migrate them), and a first admin with an API token.
@@ -79,9 +100,13 @@ def init(
     from mcp_edge.controlplane.bootstrap import initialize
 
     settings = cli_settings(
-        data_dir, database_url=database_url, listen=listen,
-        broker_urls=",".join(broker_urls) or None, enrollment_approval=approval,
-        broker_admin_url=broker_admin_url, broker_admin_user=broker_admin_user,
+        data_dir,
+        database_url=database_url,
+        listen=listen,
+        broker_urls=",".join(broker_urls) or None,
+        enrollment_approval=approval,
+        broker_admin_url=broker_admin_url,
+        broker_admin_user=broker_admin_user,
         broker_admin_password_file=broker_admin_password_file,
         telemetry_retention_days=telemetry_retention_days,
     )
@@ -98,21 +123,34 @@ def init(
             raise click.ClickException("no --admin-password-file and stdin is not a terminal")
         return str(click.prompt("Admin password", hide_input=True, confirmation_prompt=True))
 
-    explicit = any(v for v in (
-        database_url, listen, broker_urls, approval, broker_admin_url, broker_admin_user,
-        broker_admin_password_file, telemetry_retention_days,
-    ))
+    explicit = any(
+        v
+        for v in (
+            database_url,
+            listen,
+            broker_urls,
+            approval,
+            broker_admin_url,
+            broker_admin_user,
+            broker_admin_password_file,
+            telemetry_retention_days,
+        )
+    )
     try:
         result = asyncio.run(
             initialize(
-                settings, clock=system_clock, admin_user=admin_user, admin_password=password,
+                settings,
+                clock=system_clock,
+                admin_user=admin_user,
+                admin_password=password,
                 write_config=explicit,
             )
         )
     except McpError as e:
         raise click.ClickException(str(e)) from e
-    click.echo(f"data dir {settings.data_dir} ready; database at revision {result.revision}",
-               err=True)
+    click.echo(
+        f"data dir {settings.data_dir} ready; database at revision {result.revision}", err=True
+    )
     _init_repository(settings)
     if result.api_token is None:
         click.echo("users exist already; no admin created (use `mcp-controlplane login`)", err=True)
@@ -169,8 +207,9 @@ async def _serve(settings: Settings, ready: Any) -> None:
     # Before anything else: a second serve on this data dir must not reset the broker
     # passwords the running one logs in with.
     with ServeLock(settings.data_dir):
-        await _serve_locked(settings, ready, replica_name(
-            settings.data_dir, configured=settings.replica_name))
+        await _serve_locked(
+            settings, ready, replica_name(settings.data_dir, configured=settings.replica_name)
+        )
 
 
 async def _serve_locked(settings: Settings, ready: Any, name: str) -> None:
@@ -182,8 +221,10 @@ async def _serve_locked(settings: Settings, ready: Any, name: str) -> None:
 
     log = logging.getLogger("mcp.controlplane")
     if not settings.broker_configured:
-        log.warning("no broker admin configured (mcp-controlplane init --broker-admin-url ...): "
-                    "devices get no MQTT credentials and telemetry is not ingested")
+        log.warning(
+            "no broker admin configured (mcp-controlplane init --broker-admin-url ...): "
+            "devices get no MQTT credentials and telemetry is not ingested"
+        )
         await run_server(settings, UnconfiguredProvisioner(), on_ready=ready)
         return
     address = BrokerAddress.parse(str(settings.broker_admin_url))
@@ -195,14 +236,24 @@ async def _serve_locked(settings: Settings, ready: Any, name: str) -> None:
 
         ssl_context = ssl.create_default_context()
     async with DynsecProvisioner(
-        address.host, address.port, settings.broker_admin_user,
-        settings.broker_admin_password(), ssl_context=ssl_context,
+        address.host,
+        address.port,
+        settings.broker_admin_user,
+        settings.broker_admin_password(),
+        ssl_context=ssl_context,
     ) as provisioner:
         credentials = await provisioner.provision_service(name)
-        log.info("broker %s:%d: provisioning devices, replica %s ingesting as %s",
-                 address.host, address.port, name, credentials.username)
+        log.info(
+            "broker %s:%d: provisioning devices, replica %s ingesting as %s",
+            address.host,
+            address.port,
+            name,
+            credentials.username,
+        )
         await run_server(
-            settings, provisioner, on_ready=ready,
+            settings,
+            provisioner,
+            on_ready=ready,
             ingest=IngestConnection(address, credentials),
         )
 

@@ -24,7 +24,11 @@ async def insert_entry(
 ) -> None:
     tx.add(
         AuditEntry(
-            at=at, actor=actor, action=action, target_type=target_type, target_id=target_id,
+            at=at,
+            actor=actor,
+            action=action,
+            target_type=target_type,
+            target_id=target_id,
             detail=dict(detail or {}),
         )
     )

@@ -66,8 +66,9 @@ class DeploymentView:
         """The canary's policy as stored; None without a canary."""
         if self.canary_version is None:
             return None
-        return stored_policy(self.canary_weight, self.canary_max_error_rate,
-                             self.canary_min_requests)
+        return stored_policy(
+            self.canary_weight, self.canary_max_error_rate, self.canary_min_requests
+        )
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,9 @@ class DeviceModelView:
         """The canary's policy as stored; None without a canary."""
         if self.canary_version is None:
             return None
-        return stored_policy(self.canary_weight, self.canary_max_error_rate,
-                             self.canary_min_requests)
+        return stored_policy(
+            self.canary_weight, self.canary_max_error_rate, self.canary_min_requests
+        )
 
 
 @dataclass(frozen=True)
@@ -142,40 +144,61 @@ def stored_policy(
 
 def _version_view(row: ModelVersion) -> VersionView:
     return VersionView(
-        model=row.model, version=row.version, version_numeric=int(row.version_numeric),
-        target_path=row.target_path, sha256=row.sha256, length=int(row.length),
+        model=row.model,
+        version=row.version,
+        version_numeric=int(row.version_numeric),
+        target_path=row.target_path,
+        sha256=row.sha256,
+        length=int(row.length),
         profiles=tuple(row.profiles or ()),
     )
 
 
 def _deployment_view(row: DeploymentRow) -> DeploymentView:
     return DeploymentView(
-        id=row.id, action=row.action, model=row.model, version=row.version,
-        device_id=row.device_id, group_name=row.group_name,
+        id=row.id,
+        action=row.action,
+        model=row.model,
+        version=row.version,
+        device_id=row.device_id,
+        group_name=row.group_name,
         labels=dict(row.labels) if row.labels is not None else None,
-        canary_version=row.canary_version, canary_weight=row.canary_weight,
+        canary_version=row.canary_version,
+        canary_weight=row.canary_weight,
         canary_max_error_rate=row.canary_max_error_rate,
         canary_min_requests=row.canary_min_requests,
-        shadow_version=row.shadow_version, rollback=row.rollback, created_by=row.created_by,
-        created_at=row.created_at, devices_matched=row.devices_matched,
+        shadow_version=row.shadow_version,
+        rollback=row.rollback,
+        created_by=row.created_by,
+        created_at=row.created_at,
+        devices_matched=row.devices_matched,
     )
 
 
 def _device_model_view(row: DeviceModelRow) -> DeviceModelView:
     return DeviceModelView(
-        device_id=row.device_id, model=row.model, stable_version=row.stable_version,
-        canary_version=row.canary_version, canary_weight=row.canary_weight,
+        device_id=row.device_id,
+        model=row.model,
+        stable_version=row.stable_version,
+        canary_version=row.canary_version,
+        canary_weight=row.canary_weight,
         canary_max_error_rate=row.canary_max_error_rate,
         canary_min_requests=row.canary_min_requests,
-        shadow_version=row.shadow_version, rollback=row.rollback,
-        deployment_id=row.deployment_id, updated_at=row.updated_at,
+        shadow_version=row.shadow_version,
+        rollback=row.rollback,
+        deployment_id=row.deployment_id,
+        updated_at=row.updated_at,
     )
 
 
 def _desired_view(row: DesiredStateRow) -> DesiredView:
     return DesiredView(
-        device_id=row.device_id, seq=int(row.seq), envelope=dict(row.envelope),
-        issued_at=row.issued_at, expires_at=row.expires_at, refresh_at=row.refresh_at,
+        device_id=row.device_id,
+        seq=int(row.seq),
+        envelope=dict(row.envelope),
+        issued_at=row.issued_at,
+        expires_at=row.expires_at,
+        refresh_at=row.refresh_at,
         published_at=row.published_at,
     )
 
@@ -192,7 +215,9 @@ async def get_versions(
     if not pairs:
         return {}
     rows = await tx.execute(
-        select(ModelVersion).where(tuple_(ModelVersion.model, ModelVersion.version).in_(list(pairs)))
+        select(ModelVersion).where(
+            tuple_(ModelVersion.model, ModelVersion.version).in_(list(pairs))
+        )
     )
     return {(r.model, r.version): _version_view(r) for r in rows.scalars()}
 
@@ -238,16 +263,15 @@ async def standing_deployments(
 
 
 # ---------------------------------------------------------------------------- device models
-async def device_models(
-    tx: Tx, device_ids: Iterable[str]
-) -> dict[str, list[DeviceModelView]]:
+async def device_models(tx: Tx, device_ids: Iterable[str]) -> dict[str, list[DeviceModelView]]:
     """Every desired model of each device (an empty list for a device without any)."""
     ids = list(device_ids)
     out: dict[str, list[DeviceModelView]] = {i: [] for i in ids}
     if not ids:
         return out
     rows = await tx.execute(
-        select(DeviceModelRow).where(DeviceModelRow.device_id.in_(ids))
+        select(DeviceModelRow)
+        .where(DeviceModelRow.device_id.in_(ids))
         .order_by(DeviceModelRow.device_id, DeviceModelRow.model)
     )
     for row in rows.scalars():
@@ -355,7 +379,8 @@ async def mark_published(tx: Tx, published: Mapping[str, int], now: datetime) ->
             changed.append(device_id)
     if changed:
         await tx.execute(
-            update(DesiredStateRow).where(DesiredStateRow.device_id.in_(changed))
+            update(DesiredStateRow)
+            .where(DesiredStateRow.device_id.in_(changed))
             .values(published_at=None)
         )
     return changed
@@ -374,7 +399,8 @@ async def mark_unpublished(tx: Tx, device_ids: Collection[str]) -> None:
     ids = list(device_ids)
     for start in range(0, len(ids), 500):
         await tx.execute(
-            update(DesiredStateRow).where(DesiredStateRow.device_id.in_(ids[start:start + 500]))
+            update(DesiredStateRow)
+            .where(DesiredStateRow.device_id.in_(ids[start : start + 500]))
             .values(published_at=None)
         )
 
@@ -398,24 +424,30 @@ async def reported(tx: Tx, device_id: str) -> ReportedView | None:
         return None
     models = row.document.get("models") if isinstance(row.document, dict) else None
     return ReportedView(
-        applied_seq=int(row.applied_seq), received_at=row.received_at,
+        applied_seq=int(row.applied_seq),
+        received_at=row.received_at,
         models=[m for m in models or [] if isinstance(m, dict)],
     )
 
 
-async def reported_active_versions(tx: Tx, device_ids: Collection[str], model: str) -> dict[str, str]:
+async def reported_active_versions(
+    tx: Tx, device_ids: Collection[str], model: str
+) -> dict[str, str]:
     """``{device_id: active_version}`` of ``model`` as the devices last reported it."""
     if not device_ids:
         return {}
     rows = await tx.execute(
-        select(ReportedStateRow.device_id, ReportedStateRow.document)
-        .where(ReportedStateRow.device_id.in_(list(device_ids)))
+        select(ReportedStateRow.device_id, ReportedStateRow.document).where(
+            ReportedStateRow.device_id.in_(list(device_ids))
+        )
     )
     out: dict[str, str] = {}
     for device_id, document in rows:
         for m in (document or {}).get("models") or []:
-            if isinstance(m, dict) and m.get("name") == model and isinstance(
-                m.get("active_version"), str
+            if (
+                isinstance(m, dict)
+                and m.get("name") == model
+                and isinstance(m.get("active_version"), str)
             ):
                 out[device_id] = m["active_version"]
     return out

@@ -54,12 +54,20 @@ class DeviceFilter:
 
 def _view(device: Device, labels: Mapping[str, str]) -> DeviceView:
     return DeviceView(
-        id=device.id, public_key=device.public_key, status=device.status,
-        profile=device.profile, group_name=device.group_name, labels=dict(labels),
-        facts=dict(device.facts or {}), agent_version=device.agent_version,
-        enrollment_token_id=device.enrollment_token_id, online=device.online,
-        last_seen_at=device.last_seen_at, created_at=device.created_at,
-        updated_at=device.updated_at, accepted_at=device.accepted_at,
+        id=device.id,
+        public_key=device.public_key,
+        status=device.status,
+        profile=device.profile,
+        group_name=device.group_name,
+        labels=dict(labels),
+        facts=dict(device.facts or {}),
+        agent_version=device.agent_version,
+        enrollment_token_id=device.enrollment_token_id,
+        online=device.online,
+        last_seen_at=device.last_seen_at,
+        created_at=device.created_at,
+        updated_at=device.updated_at,
+        accepted_at=device.accepted_at,
         revoked_at=device.revoked_at,
     )
 
@@ -120,10 +128,18 @@ async def insert_device(
     :class:`controlplane.db.errors.ConflictError` when the transaction ends."""
     tx.add(
         Device(
-            id=device_id, public_key=public_key, status=status, profile=profile,
-            group_name=group_name, facts=dict(facts or {}), agent_version=agent_version,
-            enrollment_token_id=enrollment_token_id, online=False, created_at=now,
-            updated_at=now, accepted_at=accepted_at,
+            id=device_id,
+            public_key=public_key,
+            status=status,
+            profile=profile,
+            group_name=group_name,
+            facts=dict(facts or {}),
+            agent_version=agent_version,
+            enrollment_token_id=enrollment_token_id,
+            online=False,
+            created_at=now,
+            updated_at=now,
+            accepted_at=accepted_at,
         )
     )
     await tx.flush()
@@ -164,7 +180,8 @@ def _filtered(query: Select[Any], f: DeviceFilter) -> Select[Any]:
     for key, value in (f.labels or {}).items():
         query = query.where(
             exists().where(
-                DeviceLabel.device_id == Device.id, DeviceLabel.key == key,
+                DeviceLabel.device_id == Device.id,
+                DeviceLabel.key == key,
                 DeviceLabel.value == value,
             )
         )

@@ -103,9 +103,7 @@ def translate(e: SQLAlchemyError) -> DatabaseError:
         return ConflictError(f"the change conflicts with existing data: {detail}")
     if isinstance(e, NoResultFound):
         return NotFoundError("no such row")
-    if isinstance(e, OperationalError) or (
-        isinstance(e, DBAPIError) and e.connection_invalidated
-    ):
+    if isinstance(e, OperationalError) or (isinstance(e, DBAPIError) and e.connection_invalidated):
         return UnavailableError(f"database unavailable: {detail}")
     return DatabaseError(f"database error: {detail}")
 

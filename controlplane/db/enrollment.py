@@ -29,9 +29,17 @@ async def create_token(
     description: str = "",
 ) -> EnrollmentToken:
     token = EnrollmentToken(
-        token_hash=token_hash, prefix=prefix, description=description, group_name=group_name,
-        labels=dict(labels or {}), approval=approval, max_uses=max_uses, uses=0,
-        created_at=now, created_by=created_by, expires_at=expires_at,
+        token_hash=token_hash,
+        prefix=prefix,
+        description=description,
+        group_name=group_name,
+        labels=dict(labels or {}),
+        approval=approval,
+        max_uses=max_uses,
+        uses=0,
+        created_at=now,
+        created_by=created_by,
+        expires_at=expires_at,
     )
     tx.add(token)
     await tx.flush()

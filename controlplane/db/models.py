@@ -74,7 +74,8 @@ class Base(DeclarativeBase):
 
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map: ClassVar[dict[Any, Any]] = {
-        datetime: UtcDateTime(), dict[str, Any]: JSON(),
+        datetime: UtcDateTime(),
+        dict[str, Any]: JSON(),
     }
 
 
@@ -204,8 +205,10 @@ class HealthSampleRow(Base):
     """One health reading (``telemetry/health``); downsampled and expired by retention."""
 
     __tablename__ = "health_samples"
-    __table_args__ = (Index("ix_health_samples_device_id_ts", "device_id", "ts"),
-                      Index("ix_health_samples_ts", "ts"))
+    __table_args__ = (
+        Index("ix_health_samples_device_id_ts", "device_id", "ts"),
+        Index("ix_health_samples_ts", "ts"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     device_id: Mapped[str] = mapped_column(String(64), _device_fk())
@@ -226,8 +229,10 @@ class InferenceStatsRow(Base):
     """Counters of one model version on one device over one reporting window."""
 
     __tablename__ = "inference_stats"
-    __table_args__ = (Index("ix_inference_stats_device_id_ts", "device_id", "ts"),
-                      Index("ix_inference_stats_model_version_ts", "model", "version", "ts"))
+    __table_args__ = (
+        Index("ix_inference_stats_device_id_ts", "device_id", "ts"),
+        Index("ix_inference_stats_model_version_ts", "model", "version", "ts"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     device_id: Mapped[str] = mapped_column(String(64), _device_fk())
@@ -250,8 +255,9 @@ class DeploymentEventRow(Base):
     """One step of a deployment, stored once per ``(device_id, event_seq)`` (resends are no-ops)."""
 
     __tablename__ = "deployment_events"
-    __table_args__ = (UniqueConstraint("device_id", "event_seq",
-                                       name="uq_deployment_events_device_id_event_seq"),)
+    __table_args__ = (
+        UniqueConstraint("device_id", "event_seq", name="uq_deployment_events_device_id_event_seq"),
+    )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     device_id: Mapped[str] = mapped_column(String(64), _device_fk())

@@ -94,7 +94,10 @@ async def upsert_reported(tx: Tx, rows: Sequence[Row]) -> int:
 
 
 async def mark_seen(
-    tx: Tx, seen: Collection[str], online: Collection[str], offline: Collection[str],
+    tx: Tx,
+    seen: Collection[str],
+    online: Collection[str],
+    offline: Collection[str],
     now: datetime,
 ) -> None:
     """Set ``last_seen_at = now`` for ``seen``, and ``online`` true/false for the other two.
@@ -114,8 +117,10 @@ async def recent_health(tx: Tx, device_id: str, limit: int) -> list[dict[str, An
     """The ``limit`` newest health samples of a device, oldest first."""
     t = HealthSampleRow.__table__
     newest = (
-        select(t).where(t.c.device_id == device_id)
-        .order_by(t.c.ts.desc(), t.c.id.desc()).limit(limit)
+        select(t)
+        .where(t.c.device_id == device_id)
+        .order_by(t.c.ts.desc(), t.c.id.desc())
+        .limit(limit)
     )
     rows = [dict(r._mapping) for r in await tx.execute(newest)]
     rows.reverse()
@@ -126,8 +131,10 @@ async def list_events(tx: Tx, device_id: str, after_seq: int, limit: int) -> lis
     """Deployment events of a device with ``event_seq > after_seq``, in ``event_seq`` order."""
     t = DeploymentEventRow.__table__
     query = (
-        select(t).where(t.c.device_id == device_id, t.c.event_seq > after_seq)
-        .order_by(t.c.event_seq).limit(limit)
+        select(t)
+        .where(t.c.device_id == device_id, t.c.event_seq > after_seq)
+        .order_by(t.c.event_seq)
+        .limit(limit)
     )
     return [dict(r._mapping) for r in await tx.execute(query)]
 
@@ -155,7 +162,8 @@ async def expire_telemetry(
     await tx.execute(delete(s).where(s.c.ts < expire_before))
     thin_before = now - downsample_after
     keep = (
-        select(func.min(h.c.id)).where(h.c.ts < thin_before)
+        select(func.min(h.c.id))
+        .where(h.c.ts < thin_before)
         .group_by(h.c.device_id, _bucket(tx, h.c.ts))
     )
     thinned = await tx.execute(delete(h).where(h.c.ts < thin_before, h.c.id.not_in(keep)))

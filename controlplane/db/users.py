@@ -11,13 +11,19 @@ from mcp_edge.controlplane.db.errors import ConflictError, NotFoundError
 from mcp_edge.controlplane.db.models import ApiToken, User
 
 
-async def create_user(tx: Tx, *, username: str, password_hash: str, role: str, now: datetime) -> User:
+async def create_user(
+    tx: Tx, *, username: str, password_hash: str, role: str, now: datetime
+) -> User:
     """Insert a user; raises :class:`ConflictError` if the name is taken."""
     if await get_user(tx, username) is not None:
         raise ConflictError(f"user {username!r} already exists")
     user = User(
-        username=username, password_hash=password_hash, role=role, disabled=False,
-        created_at=now, updated_at=now,
+        username=username,
+        password_hash=password_hash,
+        role=role,
+        disabled=False,
+        created_at=now,
+        updated_at=now,
     )
     tx.add(user)
     await tx.flush()
@@ -71,7 +77,11 @@ async def create_api_token(
     expires_at: datetime | None,
 ) -> ApiToken:
     token = ApiToken(
-        user_id=user.id, name=name, token_hash=token_hash, prefix=prefix, created_at=now,
+        user_id=user.id,
+        name=name,
+        token_hash=token_hash,
+        prefix=prefix,
+        created_at=now,
         expires_at=expires_at,
     )
     tx.add(token)

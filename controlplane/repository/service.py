@@ -366,8 +366,12 @@ class RepositoryService:
             try:
                 wanted[row.keyid] = PublicKey.from_hex(row.public_key)
             except KeyFileError as e:  # registered before unusable keys were refused
-                log.warning("publisher key %s (%s) is left out of targets metadata: %s",
-                            row.keyid[:16], row.name, e)
+                log.warning(
+                    "publisher key %s (%s) is left out of targets metadata: %s",
+                    row.keyid[:16],
+                    row.name,
+                    e,
+                )
 
         def sync() -> bool:
             try:

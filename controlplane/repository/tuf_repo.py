@@ -94,7 +94,9 @@ class NaclSigner(Signer):
         return Signature(self._public.keyid, self._key.sign(payload).hex())
 
     @classmethod
-    def from_priv_key_uri(cls, priv_key_uri: str, public_key: Key, secrets_handler: Any = None) -> Signer:
+    def from_priv_key_uri(
+        cls, priv_key_uri: str, public_key: Key, secrets_handler: Any = None
+    ) -> Signer:
         raise ValueError("NaclSigner is built from a key object, not a URI")
 
 
@@ -285,9 +287,7 @@ class TufRepository:
         """Replace the publisher keys listed in targets metadata and publish."""
         with self._lock:
             md = self.targets()
-            md.signed.unrecognized_fields[PUBLISHERS_FIELD] = {
-                k.keyid: k.raw.hex() for k in keys
-            }
+            md.signed.unrecognized_fields[PUBLISHERS_FIELD] = {k.keyid: k.raw.hex() for k in keys}
             md.signed.version += 1
             md.signed.expires = self._expires("targets")
             self._write_targets(md)

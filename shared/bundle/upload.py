@@ -32,15 +32,18 @@ def upload_bundle(
     parts = urlsplit(server)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise UploadError(f"--server {server!r} must be an http:// or https:// URL")
-    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn_cls = (
+        http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    )
     conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
     size = bundle.stat().st_size
     bar: Any = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=size, desc="push", unit="B", unit_scale=True, unit_divisor=1024,
-                   file=sys.stderr)
+        bar = tqdm(
+            total=size, desc="push", unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr
+        )
     try:
         try:
             conn.putrequest("POST", parts.path.rstrip("/") + "/api/v1/bundles")

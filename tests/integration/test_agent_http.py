@@ -37,8 +37,11 @@ def real_factory(source: ModelSource) -> Sequence[ModelRunner]:
 
 
 def v2_body(x: np.ndarray, name: str = "input") -> dict[str, Any]:
-    return {"inputs": [{"name": name, "shape": list(x.shape), "datatype": "FP32",
-                        "data": x.ravel().tolist()}]}
+    return {
+        "inputs": [
+            {"name": name, "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
 
 
 def scores(resp: dict[str, Any]) -> np.ndarray:
@@ -57,12 +60,18 @@ async def serve(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     """Start the agent app on a model path; returns (client, manager, model dir, known files)."""
     started: list[tuple[TestClient, ModelManager]] = []
 
-    async def start(model_path: Path, *, factory: Any = real_factory,
-                    batching: BatchingConfig | None = None, trusted: Sequence[Any] = (),
-                    max_body: int = 8 * 1024 * 1024) -> tuple[TestClient, ModelManager, ModelDirectory, Any]:
+    async def start(
+        model_path: Path,
+        *,
+        factory: Any = real_factory,
+        batching: BatchingConfig | None = None,
+        trusted: Sequence[Any] = (),
+        max_body: int = 8 * 1024 * 1024,
+    ) -> tuple[TestClient, ModelManager, ModelDirectory, Any]:
         manager = ModelManager(factory, batching=batching or BatchingConfig())
-        model_dir = ModelDirectory(model_path, state_dir=tmp_path / "state", profile=PROFILE,
-                                   trusted_keys=trusted)
+        model_dir = ModelDirectory(
+            model_path, state_dir=tmp_path / "state", profile=PROFILE, trusted_keys=trusted
+        )
         known = await model_dir.load_all(manager)
         client = TestClient(TestServer(build_app(manager, max_body=max_body)))
         await client.start_server()
@@ -109,20 +118,33 @@ async def test_v1_infer_with_images_through_a_signed_bundle(
     digits: DigitsModels, tmp_path: Path, serve: Any
 ) -> None:
     labels = tmp_path / "labels.txt"
-    labels.write_text("\n".join(["zero", "one", "two", "three", "four", "five", "six", "seven",
-                                 "eight", "nine"]))
+    labels.write_text(
+        "\n".join(["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"])
+    )
     models = tmp_path / "models"
     models.mkdir()
     bundle = models / "digits-2.0.0.mcpb"
-    build_bundle(digits.onnx_path, bundle, name="digits", version="2.0.0", labels_path=labels,
-                 preprocessing={"kind": "image", "grayscale": True, "size": [8, 8],
-                                "scale": 1 / 255, "layout": "flat"})
+    build_bundle(
+        digits.onnx_path,
+        bundle,
+        name="digits",
+        version="2.0.0",
+        labels_path=labels,
+        preprocessing={
+            "kind": "image",
+            "grayscale": True,
+            "size": [8, 8],
+            "scale": 1 / 255,
+            "layout": "flat",
+        },
+    )
     key = PrivateKey.generate()
     sign_bundle(bundle, key)
     client, *_ = await serve(models, trusted=[key.public_key])
     pixels = digits.X_test[:40] * 16.0
-    resp = await client.post("/v1/infer", json={"images": [_png(p.reshape(8, 8)) for p in pixels],
-                                                "top_k": 3})
+    resp = await client.post(
+        "/v1/infer", json={"images": [_png(p.reshape(8, 8)) for p in pixels], "top_k": 3}
+    )
     assert resp.status == 200, await resp.text()
     body = await resp.json()
     assert body["model_version"] == "2.0.0"
@@ -132,7 +154,9 @@ async def test_v1_infer_with_images_through_a_signed_bundle(
     correct = sum(t == names[y] for t, y in zip(top1, digits.y_test[:40], strict=True))
     assert correct >= 36
     # Numbers work too, and the bundle's scale applies to them (pixels 0..255).
-    resp = await client.post("/v1/infer", json={"data": (pixels[0] * 255 / 16).tolist(), "top_k": 1})
+    resp = await client.post(
+        "/v1/infer", json={"data": (pixels[0] * 255 / 16).tolist(), "top_k": 1}
+    )
     assert (await resp.json())["predictions"][0][0]["label"] == names[digits.y_test[0]]
 
 
@@ -225,14 +249,18 @@ async def test_canary_that_fails_is_taken_out_and_stable_answers(
         return broken
 
     client, manager, *_ = await serve(models, factory=factory)
-    await manager.load(ModelSource("digits", "9.9.9", digits.onnx_path), role="canary",
-                       canary=CanaryPolicy(weight=0.5))
+    await manager.load(
+        ModelSource("digits", "9.9.9", digits.onnx_path),
+        role="canary",
+        canary=CanaryPolicy(weight=0.5),
+    )
     broken[0].armed = True
     x = digits.X_test[:1].astype(np.float32)
     answered = []
     for i in range(120):
-        resp = await client.post("/v2/models/digits/infer", json=v2_body(x),
-                                 headers={"X-Request-Key": f"user-{i}"})
+        resp = await client.post(
+            "/v2/models/digits/infer", json=v2_body(x), headers={"X-Request-Key": f"user-{i}"}
+        )
         assert resp.status == 200, await resp.text()
         answered.append((await resp.json())["model_version"])
     assert set(answered) == {"1"}  # every canary failure was answered by stable
@@ -241,8 +269,9 @@ async def test_canary_that_fails_is_taken_out_and_stable_answers(
     metrics = await (await client.get("/metrics")).text()
     assert 'mcp_agent_canary_fallbacks_total{model="digits"} 1.0' in metrics
     # X-Model-Version pins a version even when it is out of rotation; its error is reported.
-    pinned = await client.post("/v2/models/digits/infer", json=v2_body(x),
-                               headers={"X-Model-Version": "9.9.9"})
+    pinned = await client.post(
+        "/v2/models/digits/infer", json=v2_body(x), headers={"X-Model-Version": "9.9.9"}
+    )
     assert pinned.status == 500 and "simulated backend fault" in (await pinned.json())["error"]
     pinned = await client.post("/v2/models/digits/versions/1/infer", json=v2_body(x))
     assert (await pinned.json())["model_version"] == "1"
@@ -256,14 +285,16 @@ async def test_sticky_canary_routing_and_shadow_agreement(
     models.mkdir()
     shutil.copy(digits.onnx_path, models / "digits.onnx")
     client, manager, *_ = await serve(models)
-    await manager.load(ModelSource("digits", "2", other.onnx_path), role="canary",
-                       canary=CanaryPolicy(weight=0.5))
+    await manager.load(
+        ModelSource("digits", "2", other.onnx_path), role="canary", canary=CanaryPolicy(weight=0.5)
+    )
     x = digits.X_test[:1].astype(np.float32)
     seen: dict[str, set[str]] = {}
     for i in range(40):
         key = f"user-{i % 8}"
-        resp = await client.post("/v2/models/digits/infer", json=v2_body(x),
-                                 headers={"X-Request-Key": key})
+        resp = await client.post(
+            "/v2/models/digits/infer", json=v2_body(x), headers={"X-Request-Key": key}
+        )
         seen.setdefault(key, set()).add((await resp.json())["model_version"])
     assert all(len(v) == 1 for v in seen.values())  # sticky per key
     assert {next(iter(v)) for v in seen.values()} == {"1", "2"}  # both get traffic
@@ -288,7 +319,8 @@ async def test_overload_gets_429_and_deadline_gets_504(tmp_path: Path, serve: An
     model.write_bytes(b"placeholder: the fake factory does not read it")
     runner = DoublingRunner()
     client, manager, *_ = await serve(
-        model.parent, factory=lambda s: [runner],
+        model.parent,
+        factory=lambda s: [runner],
         batching=BatchingConfig(max_batch_size=1, max_queue=4, inline_below_s=0),
     )
     runner.gate.clear()
@@ -324,31 +356,104 @@ async def test_overload_gets_429_and_deadline_gets_504(tmp_path: Path, serve: An
     [
         ("/v2/models/digits/infer", b"{not json", {}, 400, "not valid JSON"),
         ("/v2/models/digits/infer", b'{"inputs": "x"}', {}, 400, "inputs"),
-        ("/v2/models/digits/infer", b'{"inputs":[{"name":"input","shape":[1,63],"datatype":"FP32","data":[0]}]}', {}, 400, "does not fit"),
-        ("/v2/models/digits/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"INT64","data":[0]}]}', {}, 400, "expects FP32"),
-        ("/v2/models/digits/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0,1]}]}', {}, 400, "needs 64 values"),
-        ("/v2/models/digits/infer", b'{"inputs":[{"name":"pixels","shape":[1,64],"datatype":"FP32","data":[0]}]}', {}, 400, "unknown input"),
-        ("/v2/models/nope/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {}, 404, "not loaded"),
-        ("/v2/models/digits/versions/7/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {}, 404, "no loaded version"),
+        (
+            "/v2/models/digits/infer",
+            b'{"inputs":[{"name":"input","shape":[1,63],"datatype":"FP32","data":[0]}]}',
+            {},
+            400,
+            "does not fit",
+        ),
+        (
+            "/v2/models/digits/infer",
+            b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"INT64","data":[0]}]}',
+            {},
+            400,
+            "expects FP32",
+        ),
+        (
+            "/v2/models/digits/infer",
+            b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0,1]}]}',
+            {},
+            400,
+            "needs 64 values",
+        ),
+        (
+            "/v2/models/digits/infer",
+            b'{"inputs":[{"name":"pixels","shape":[1,64],"datatype":"FP32","data":[0]}]}',
+            {},
+            400,
+            "unknown input",
+        ),
+        (
+            "/v2/models/nope/infer",
+            b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}',
+            {},
+            404,
+            "not loaded",
+        ),
+        (
+            "/v2/models/digits/versions/7/infer",
+            b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}',
+            {},
+            404,
+            "no loaded version",
+        ),
         ("/v2/models/digits/infer", b"[" + b"0," * 700_000 + b"0]", {}, 413, "too large"),
-        ("/v2/models/digits/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {"X-Priority": "urgent"}, 400, "priority"),
-        ("/v2/models/digits/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {"X-Timeout-Ms": "soon"}, 400, "X-Timeout-Ms must be a number"),
-        ("/v2/models/digits/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {"X-Timeout-Ms": "0"}, 400, "X-Timeout-Ms must be in (0, 3600000]"),
+        (
+            "/v2/models/digits/infer",
+            b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}',
+            {"X-Priority": "urgent"},
+            400,
+            "priority",
+        ),
+        (
+            "/v2/models/digits/infer",
+            b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}',
+            {"X-Timeout-Ms": "soon"},
+            400,
+            "X-Timeout-Ms must be a number",
+        ),
+        (
+            "/v2/models/digits/infer",
+            b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}',
+            {"X-Timeout-Ms": "0"},
+            400,
+            "X-Timeout-Ms must be in (0, 3600000]",
+        ),
         # Options are read before the model is looked up, as over MQTT: the bad option is named.
-        ("/v2/models/nope/infer", b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}', {"X-Priority": "urgent"}, 400, "priority"),
-        ("/v1/infer", b'{"model": "nope", "data": [1]}', {"X-Timeout-Ms": "nan"}, 400, "X-Timeout-Ms must be in"),
+        (
+            "/v2/models/nope/infer",
+            b'{"inputs":[{"name":"input","shape":[1,64],"datatype":"FP32","data":[0]}]}',
+            {"X-Priority": "urgent"},
+            400,
+            "priority",
+        ),
+        (
+            "/v1/infer",
+            b'{"model": "nope", "data": [1]}',
+            {"X-Timeout-Ms": "nan"},
+            400,
+            "X-Timeout-Ms must be in",
+        ),
         ("/v1/infer", b'{"image": "%%%"}', {}, 400, "image preprocessing"),
         ("/v1/infer", b'{"data": [1, 2]}', {}, 400, "64 values"),
         ("/v1/infer", b'{"data": [[1], [1, 2]]}', {}, 400, "regular array"),
     ],
 )
 async def test_bad_requests_get_4xx_with_a_reason(
-    digits: DigitsModels, tmp_path: Path, serve: Any,
-    path: str, payload: bytes, headers: dict[str, str], status: int, reason: str,
+    digits: DigitsModels,
+    tmp_path: Path,
+    serve: Any,
+    path: str,
+    payload: bytes,
+    headers: dict[str, str],
+    status: int,
+    reason: str,
 ) -> None:
-    client, *_ = await serve(_single(tmp_path, digits),
-                             max_body=1024 * 1024)
-    resp = await client.post(path, data=payload, headers={"Content-Type": "application/json", **headers})
+    client, *_ = await serve(_single(tmp_path, digits), max_body=1024 * 1024)
+    resp = await client.post(
+        path, data=payload, headers={"Content-Type": "application/json", **headers}
+    )
     assert resp.status == status
     body = await resp.json()
     assert reason in body["error"], body
@@ -367,8 +472,9 @@ async def test_a_chunked_body_over_the_limit_is_413(
         for _ in range(20):
             yield b" " * 65536
 
-    resp = await client.post("/v2/models/digits/infer", data=chunks(),
-                             headers={"Content-Type": "application/json"})
+    resp = await client.post(
+        "/v2/models/digits/infer", data=chunks(), headers={"Content-Type": "application/json"}
+    )
     assert resp.status == 413
     assert await resp.json() == {"error": "request body is too large", "code": "too_large"}
 
@@ -378,8 +484,11 @@ async def test_an_empty_version_header_pins_nothing(
 ) -> None:
     # As an empty model-version user property over MQTT: the request is routed, not refused.
     client, *_ = await serve(_single(tmp_path, digits))
-    resp = await client.post("/v2/models/digits/infer", json=v2_body(digits.X_test[:1]),
-                             headers={"X-Model-Version": "", "X-Request-Key": ""})
+    resp = await client.post(
+        "/v2/models/digits/infer",
+        json=v2_body(digits.X_test[:1]),
+        headers={"X-Model-Version": "", "X-Request-Key": ""},
+    )
     assert resp.status == 200, await resp.text()
     assert (await resp.json())["model_version"] == "1"
 
@@ -399,11 +508,19 @@ def _single(tmp_path: Path, digits: DigitsModels) -> Path:
     return d
 
 
-async def test_health_metadata_and_metrics(digits: DigitsModels, tmp_path: Path, serve: Any) -> None:
+async def test_health_metadata_and_metrics(
+    digits: DigitsModels, tmp_path: Path, serve: Any
+) -> None:
     client, *_ = await serve(_single(tmp_path, digits))
     assert (await (await client.get("/v2")).json())["name"] == "mcp-edge-agent"
-    for path in ("/v2/health/live", "/v2/health/ready", "/healthz", "/readyz",
-                 "/v2/models/digits/ready", "/v2/models/digits/versions/1/ready"):
+    for path in (
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/healthz",
+        "/readyz",
+        "/v2/models/digits/ready",
+        "/v2/models/digits/versions/1/ready",
+    ):
         assert (await client.get(path)).status == 200, path
     assert (await client.get("/v2/models/other/ready")).status == 404
     meta = await (await client.get("/v2/models/digits/versions/1")).json()
@@ -411,7 +528,12 @@ async def test_health_metadata_and_metrics(digits: DigitsModels, tmp_path: Path,
     assert meta["platform"] == "onnxruntime_onnx"
     await client.post("/v2/models/digits/infer", json=v2_body(digits.X_test[:3]))
     text = await (await client.get("/metrics")).text()
-    families = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE mcp_agent_")}
+    families = {
+        line.split()[2] for line in text.splitlines() if line.startswith("# TYPE mcp_agent_")
+    }
     assert len(families) >= 18, sorted(families)
-    assert 'mcp_agent_model_info{backend="onnxruntime",model="digits",provider="CPUExecutionProvider",role="stable",version="1"} 1.0' in text
+    assert (
+        'mcp_agent_model_info{backend="onnxruntime",model="digits",provider="CPUExecutionProvider",role="stable",version="1"} 1.0'
+        in text
+    )
     assert 'mcp_agent_requests_total{code="200",model="digits",protocol="v2"} 1.0' in text

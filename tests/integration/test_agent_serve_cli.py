@@ -32,8 +32,9 @@ def _get(url: str) -> tuple[int, Any]:
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
@@ -61,7 +62,9 @@ def agent_process(tmp_path: Path) -> Iterator[Any]:
         port = free_port()
         proc = subprocess.Popen(
             [*AGENT, "serve", "--port", str(port), "--state-dir", str(tmp_path / "state"), *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             cwd=Path(__file__).resolve().parents[2],
         )
         procs.append(proc)
@@ -90,8 +93,11 @@ def test_serve_answers_reloads_a_replaced_file_and_stops_cleanly(
     shutil.copy(digits.onnx_path, models / "digits.onnx")
     proc, base = agent_process("--model-path", str(models), "--watch-interval", "0.1")
     x = digits.X_test[:2]
-    body = {"inputs": [{"name": "input", "shape": [2, 64], "datatype": "FP32",
-                        "data": x.ravel().tolist()}]}
+    body = {
+        "inputs": [
+            {"name": "input", "shape": [2, 64], "datatype": "FP32", "data": x.ravel().tolist()}
+        ]
+    }
     status, answer = _post(base + "/v2/models/digits/infer", body)
     assert status == 200 and answer["model_version"] == "1"
     # Replace the file the way deploy tools do (write aside, rename over): the watcher
@@ -114,12 +120,17 @@ def test_serve_with_a_canary_from_the_command_line(
     canary_dir = tmp_path / "next"
     canary_dir.mkdir()
     shutil.copy(digits.onnx_path, canary_dir / "digits.onnx")
-    _, base = agent_process("--model-path", str(digits.onnx_path),
-                            "--canary", f"{canary_dir / 'digits.onnx'}:0.25")
+    _, base = agent_process(
+        "--model-path", str(digits.onnx_path), "--canary", f"{canary_dir / 'digits.onnx'}:0.25"
+    )
     meta = _get(base + "/v2/models/digits")[1]
     assert meta["versions"] == ["1", "2"]
-    assert meta["parameters"]["canary"] == {"version": "2", "weight": 0.25, "enabled": True,
-                                            "error_rate": 0.0}
+    assert meta["parameters"]["canary"] == {
+        "version": "2",
+        "weight": 0.25,
+        "enabled": True,
+        "error_rate": 0.0,
+    }
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
@@ -130,8 +141,16 @@ def test_serving_well_formed_requests_never_loads_pydantic(
     # explain a refused body (docs/agent.md).
     proc, base = agent_process("--model-path", str(digits.onnx_path))
     maps = Path(f"/proc/{proc.pid}/maps")
-    body = {"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
-                        "data": digits.X_test[0].tolist()}]}
+    body = {
+        "inputs": [
+            {
+                "name": "input",
+                "shape": [1, 64],
+                "datatype": "FP32",
+                "data": digits.X_test[0].tolist(),
+            }
+        ]
+    }
     assert _post(base + "/v2/models/digits/infer", body)[0] == 200
     assert _get(base + "/v2/models/digits")[0] == 200
     with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
@@ -159,7 +178,10 @@ def test_serve_refuses_bad_arguments_with_a_clear_message(
     args = [a.format(empty=empty, model=digits.onnx_path) for a in args]
     result = subprocess.run(
         [*AGENT, "serve", "--port", str(free_port()), "--state-dir", str(tmp_path / "s"), *args],
-        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert result.returncode != 0
     assert message in result.stderr.lower()
@@ -167,10 +189,20 @@ def test_serve_refuses_bad_arguments_with_a_clear_message(
 
 def test_quickstart_script_serves_the_demo_model(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "MCP_VENV": sys.prefix, "PORT": str(free_port()),
-           "MCP_QUICKSTART_DIR": str(tmp_path / "qs")}
-    result = subprocess.run(["bash", "deploy/quickstart.sh", "--smoke"], cwd=repo, env=env,
-                            capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "MCP_VENV": sys.prefix,
+        "PORT": str(free_port()),
+        "MCP_QUICKSTART_DIR": str(tmp_path / "qs"),
+    }
+    result = subprocess.run(
+        ["bash", "deploy/quickstart.sh", "--smoke"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     expected = result.stdout.split("expected answers for sample.json: ")[1].splitlines()[0]
     assert f"quickstart: digits answered {expected}" in result.stdout

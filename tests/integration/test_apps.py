@@ -58,8 +58,10 @@ async def make_cp(database_url: str, tmp_path: Path) -> AsyncIterator[MakeContro
         provisioner: BrokerProvisioner | None = None, broker_urls: tuple[str, ...] = (BROKER_URL,)
     ) -> ControlPlane:
         settings = Settings(
-            data_dir=tmp_path / "cp", database_url=database_url,
-            password_cost=PasswordCost.MIN, broker_urls=broker_urls,
+            data_dir=tmp_path / "cp",
+            database_url=database_url,
+            password_cost=PasswordCost.MIN,
+            broker_urls=broker_urls,
         )
         cp = await start_control_plane(settings, FakeClock(), provisioner)
         clients.append(cp.client)
@@ -154,8 +156,9 @@ async def test_taken_and_invalid_client_ids_are_refused(cp: ControlPlane) -> Non
 async def test_a_viewer_may_list_but_not_create_or_revoke(cp: ControlPlane) -> None:
     await _create(cp, "app-1")
     viewer = await cp.user_token("vera", "viewer")
-    status, answer = await cp.call("POST", "/api/v1/apps", token=viewer,
-                                    body={"client_id": "app-2"})
+    status, answer = await cp.call(
+        "POST", "/api/v1/apps", token=viewer, body={"client_id": "app-2"}
+    )
     assert status == 403, answer
     assert (await cp.call("DELETE", "/api/v1/apps/app-1", token=viewer))[0] == 403
     status, listed = await cp.call("GET", "/api/v1/apps", token=viewer)
@@ -255,8 +258,11 @@ async def test_an_account_made_through_the_api_works_at_the_broker_until_revoked
 # ---------------------------------------------------------------------------- CLI
 def test_the_cli_creates_lists_and_revokes_app_accounts(tmp_path: Path) -> None:
     settings = Settings(
-        data_dir=tmp_path / "cp", database_url=f"sqlite:///{tmp_path / 'cp.db'}",
-        password_cost=PasswordCost.MIN, broker_urls=("mqtts://broker.test",), port=0,
+        data_dir=tmp_path / "cp",
+        database_url=f"sqlite:///{tmp_path / 'cp.db'}",
+        password_cost=PasswordCost.MIN,
+        broker_urls=("mqtts://broker.test",),
+        port=0,
     )
     clock = FakeClock()
     result = asyncio.run(
@@ -277,9 +283,19 @@ def test_the_cli_creates_lists_and_revokes_app_accounts(tmp_path: Path) -> None:
         line = next(s.strip() for s in created.splitlines() if "mcp-agent infer" in s)
         words = shlex.split(line)
         assert words[0] == "MCP_MQTT_PASSWORD=pw-app"
-        assert words[1:12] == ["mcp-agent", "infer", "--mqtt", "broker.test:8883", "--tls",
-                               "--client-id", "dash-1", "--username", "dash-1", "--model",
-                               "MODEL"]
+        assert words[1:12] == [
+            "mcp-agent",
+            "infer",
+            "--mqtt",
+            "broker.test:8883",
+            "--tls",
+            "--client-id",
+            "dash-1",
+            "--username",
+            "dash-1",
+            "--model",
+            "MODEL",
+        ]
 
         as_json = json.loads(run("create", "dash-2", "--json").stdout)
         assert as_json["password"] == "pw-app" and as_json["client_id"] == "dash-2"
@@ -288,8 +304,9 @@ def test_the_cli_creates_lists_and_revokes_app_accounts(tmp_path: Path) -> None:
 
         table = run("list").stdout.splitlines()
         assert table[0].split()[:3] == ["CLIENT", "ID", "STATE"]
-        assert any(r.split()[:2] == ["dash-1", "active"] and "line A dashboard" in r
-                   for r in table[1:])
+        assert any(
+            r.split()[:2] == ["dash-1", "active"] and "line A dashboard" in r for r in table[1:]
+        )
         assert "pw-app" not in run("list").stdout
 
         assert "dash-1 is revoked" in run("revoke", "dash-1").stdout

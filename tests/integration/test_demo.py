@@ -37,8 +37,13 @@ def test_demo_smoke_runs_the_fleet_loop_and_stops_everything(tmp_path: Path) -> 
     work = tmp_path / "demo"
     env = {**os.environ, "MCP_VENV": sys.prefix}
     demo = subprocess.Popen(
-        ["bash", "deploy/demo.sh", "--smoke", "--work-dir", str(work)], cwd=REPO, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        ["bash", "deploy/demo.sh", "--smoke", "--work-dir", str(work)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, _ = demo.communicate(timeout=270)
@@ -51,8 +56,11 @@ def test_demo_smoke_runs_the_fleet_loop_and_stops_everything(tmp_path: Path) -> 
     for device in ("cam-1", "cam-2"):
         assert re.search(rf"{device} over HTTP: digits 1\.0\.0 answered \[[\d, ]+\]", out), out
     assert re.search(r"the fleet over MQTT: digits 1\.0\.0 answered", out), out
-    swap = re.search(r"cam-1: \d+ requests answered \((\d+) by 1\.0\.0, (\d+) by 1\.1\.0\), "
-                     r"0 failed", out)
+    swap = re.search(
+        r"cam-1: \d+ requests answered \((\d+) by 1\.0\.0, (\d+) by 1\.1\.0\), "
+        r"0 failed",
+        out,
+    )
     assert swap and int(swap[1]) > 0 and int(swap[2]) > 0, out
     assert re.search(r"cam-2: \d+ requests answered \(\d+ by 1\.0\.0\), 0 failed", out), out
     assert "cam-1 moved to digits 1.1.0 with 0 failed requests" in out

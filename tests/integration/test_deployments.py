@@ -74,22 +74,36 @@ def sha(text: str) -> str:
 
 def version_row(model: str, version: str, profiles: tuple[str, ...] = ()) -> VersionView:
     return VersionView(
-        model=model, version=version, version_numeric=parse_version(version).to_numeric(),
-        target_path=f"{model}/{version}/{model}-{version}.mcpb", sha256=sha(model + version),
-        length=1000 + len(version), profiles=profiles,
+        model=model,
+        version=version,
+        version_numeric=parse_version(version).to_numeric(),
+        target_path=f"{model}/{version}/{model}-{version}.mcpb",
+        sha256=sha(model + version),
+        length=1000 + len(version),
+        profiles=profiles,
     )
 
 
-async def publish_versions(db: Database, now: Any, model: str, *versions: str,
-                           profiles: tuple[str, ...] = ()) -> None:
+async def publish_versions(
+    db: Database, now: Any, model: str, *versions: str, profiles: tuple[str, ...] = ()
+) -> None:
     """Record published versions the way the registry does (one row per version)."""
     async with db.transaction() as tx:
         for version in versions:
             v = version_row(model, version, profiles)
             await registry.insert_version(
-                tx, model=v.model, version=v.version, version_numeric=v.version_numeric,
-                target_path=v.target_path, sha256=v.sha256, length=v.length, format="onnx",
-                profiles=list(v.profiles), variants=[], publisher_keyid="", uploaded_by="",
+                tx,
+                model=v.model,
+                version=v.version,
+                version_numeric=v.version_numeric,
+                target_path=v.target_path,
+                sha256=v.sha256,
+                length=v.length,
+                format="onnx",
+                profiles=list(v.profiles),
+                variants=[],
+                publisher_keyid="",
+                uploaded_by="",
                 now=now,
             )
 
@@ -142,8 +156,7 @@ class Fleet:
 
     async def connect(self, answer: Any) -> MqttProbe:
         broker = answer["broker"]
-        probe = MqttProbe(self.broker, broker["client_id"], broker["username"],
-                          broker["password"])
+        probe = MqttProbe(self.broker, broker["client_id"], broker["username"], broker["password"])
         self.probes.append(probe)
         assert await probe.connect() == "Success"
         assert await probe.subscribe(topics.desired(answer["device_id"])) == "Granted QoS 1"
@@ -153,15 +166,21 @@ class Fleet:
         """The next desired state the device receives, verified as an agent verifies it."""
         message = await probe.next_message()
         return verify_desired_state(
-            json.loads(message.payload), self.director,
-            device_id=message.topic.split("/")[3], last_seq=last_seq, now=self.cp.clock(),
+            json.loads(message.payload),
+            self.director,
+            device_id=message.topic.split("/")[3],
+            last_seq=last_seq,
+            now=self.cp.clock(),
         )
 
-    async def deploy(self, model: str, version: str, *, status: int = 201,
-                     token: str = "admin", **body: Any) -> Any:
+    async def deploy(
+        self, model: str, version: str, *, status: int = 201, token: str = "admin", **body: Any
+    ) -> Any:
         selector = body.pop("selector")
         code, answer = await self.cp.call(
-            "POST", "/api/v1/deployments", token=token,
+            "POST",
+            "/api/v1/deployments",
+            token=token,
             body={"model": model, "version": version, "selector": selector, **body},
         )
         assert code == status, answer
@@ -180,15 +199,21 @@ async def open_fleet(
     """Initialize a control plane, serve it with ``broker`` (real accounts, ingestion and the
     desired-state session), and clear every retained desired state it left afterwards."""
     settings = Settings(
-        data_dir=data_dir, database_url=database_url, password_cost=PasswordCost.MIN,
+        data_dir=data_dir,
+        database_url=database_url,
+        password_cost=PasswordCost.MIN,
         broker_urls=(f"mqtt://{broker.host}:{broker.port}",),
     )
     clock = FakeClock()
-    result = await initialize(settings, clock=clock, admin_user="admin",
-                              admin_password=ADMIN_PASSWORD)
+    result = await initialize(
+        settings, clock=clock, admin_user="admin", admin_password=ADMIN_PASSWORD
+    )
     assert result.api_token is not None
     async with DynsecProvisioner(
-        broker.host, broker.port, broker.admin_username, broker.admin_password,
+        broker.host,
+        broker.port,
+        broker.admin_username,
+        broker.admin_password,
     ) as provisioner:
         service = await provisioner.provision_service(f"cp-test-{secrets.token_hex(3)}")
         cleaner = await provisioner.provision_service(f"cp-clean-{secrets.token_hex(3)}")
@@ -238,30 +263,50 @@ async def test_deploy_publishes_a_signed_retained_desired_state(fleet: Fleet) ->
     assert model.stable.sha256 == sha("digits1.0.0") and not model.rollback
     assert model.stable.target_path == "digits/1.0.0/digits-1.0.0.mcpb"
 
-    await fleet.deploy("digits", "1.1.0", selector={"device_id": cam},
-                       canary={"version": "1.2.0-rc1", "weight": 0.25})
+    await fleet.deploy(
+        "digits",
+        "1.1.0",
+        selector={"device_id": cam},
+        canary={"version": "1.2.0-rc1", "weight": 0.25},
+    )
     state = await fleet.desired(probe, last_seq=1)
     assert state.seq == 2
     assert state.models[0].stable.version == "1.1.0"
     assert state.models[0].canary is not None
     assert (state.models[0].canary.target.version, state.models[0].canary.weight) == (
-        "1.2.0-rc1", 0.25)
+        "1.2.0-rc1",
+        0.25,
+    )
 
     # Subscribing again (as after a restart) finds the newest document retained.
     assert await probe.unsubscribe(topics.desired(cam)) == "Success"
     assert await probe.subscribe(topics.desired(cam)) == "Granted QoS 1"
     message = await probe.next_message()
     assert message.retain
-    assert verify_desired_state(json.loads(message.payload), fleet.director, device_id=cam,
-                                last_seq=1, now=fleet.cp.clock()).seq == 2
+    assert (
+        verify_desired_state(
+            json.loads(message.payload),
+            fleet.director,
+            device_id=cam,
+            last_seq=1,
+            now=fleet.cp.clock(),
+        ).seq
+        == 2
+    )
 
     shown = await fleet.get(f"/api/v1/devices/{cam}/desired")
     assert shown["seq"] == 2 and shown["published"] is True
-    assert verify_desired_state(shown["envelope"], fleet.director, device_id=cam, last_seq=1,
-                                now=fleet.cp.clock()).seq == 2
+    assert (
+        verify_desired_state(
+            shown["envelope"], fleet.director, device_id=cam, last_seq=1, now=fleet.cp.clock()
+        ).seq
+        == 2
+    )
     history = (await fleet.get("/api/v1/deployments", model="digits"))["items"]
     assert [(d["version"], d["canary_version"]) for d in history] == [
-        ("1.1.0", "1.2.0-rc1"), ("1.0.0", None)]
+        ("1.1.0", "1.2.0-rc1"),
+        ("1.0.0", None),
+    ]
     assert history[0]["created_by"] == "user:admin"
     audit = (await fleet.get("/api/v1/audit", action="deployment.created"))["items"]
     assert [e["detail"]["version"] for e in audit] == ["1.1.0", "1.0.0"]
@@ -280,8 +325,10 @@ async def test_group_deploy_reaches_every_accepted_device_and_later_ones(fleet: 
     assert pending["status"] == "pending"
 
     answer = await fleet.deploy("digits", "1.0.0", selector={"group": group})
-    assert sorted(d["device_id"] for d in answer["devices"]) == [fleet.id("cam-a"),
-                                                                 fleet.id("cam-b")]
+    assert sorted(d["device_id"] for d in answer["devices"]) == [
+        fleet.id("cam-a"),
+        fleet.id("cam-b"),
+    ]
     for probe in (a, b):
         state = await fleet.desired(probe)
         assert [m.stable.version for m in state.models] == ["1.0.0"]
@@ -293,7 +340,8 @@ async def test_group_deploy_reaches_every_accepted_device_and_later_ones(fleet: 
     late = await fleet.device("cam-late", token=in_group)
     assert [m.name for m in (await fleet.desired(late)).models] == ["digits"]
     code, _ = await fleet.cp.call(
-        "POST", f"/api/v1/approvals/{fleet.id('cam-pending')}/approve", body={})
+        "POST", f"/api/v1/approvals/{fleet.id('cam-pending')}/approve", body={}
+    )
     assert code == 200
     shown = await fleet.get(f"/api/v1/devices/{fleet.id('cam-pending')}/desired")
     assert shown["seq"] == 1 and shown["published"] is True
@@ -301,7 +349,10 @@ async def test_group_deploy_reaches_every_accepted_device_and_later_ones(fleet: 
 
     # After a group undeploy, devices accepted later get nothing, the others lose the model.
     code, answer = await fleet.cp.call(
-        "POST", "/api/v1/deployments/undeploy", body={"model": "digits", "selector": {"group": group}})
+        "POST",
+        "/api/v1/deployments/undeploy",
+        body={"model": "digits", "selector": {"group": group}},
+    )
     assert code == 200, answer
     assert len(answer["devices"]) == 4
     assert (await fleet.desired(a, last_seq=1)).models == []
@@ -318,8 +369,10 @@ async def test_the_canary_policy_reaches_each_signed_desired_state(fleet: Fleet)
     policy = CanaryPolicy(weight=0.3, max_error_rate=0.5, min_requests=7)
 
     answer = await fleet.deploy("digits", "1.0.0", selector={"group": group}, canary=canary)
-    assert (answer["deployment"]["canary_max_error_rate"],
-            answer["deployment"]["canary_min_requests"]) == (0.5, 7)
+    assert (
+        answer["deployment"]["canary_max_error_rate"],
+        answer["deployment"]["canary_min_requests"],
+    ) == (0.5, 7)
     spec = (await fleet.desired(first)).models[0].canary
     assert spec is not None and (spec.target.version, spec.policy) == ("1.1.0", policy)
     # A device accepted later gets the standing deployment with its policy.
@@ -327,24 +380,35 @@ async def test_the_canary_policy_reaches_each_signed_desired_state(fleet: Fleet)
     spec = (await fleet.desired(late)).models[0].canary
     assert spec is not None and spec.policy == policy
     desired = (await fleet.get(f"/api/v1/devices/{fleet.id('cam-late')}/models"))["items"][0]
-    assert (desired["desired"]["canary_max_error_rate"],
-            desired["desired"]["canary_min_requests"]) == (0.5, 7)
+    assert (
+        desired["desired"]["canary_max_error_rate"],
+        desired["desired"]["canary_min_requests"],
+    ) == (0.5, 7)
 
     # A canary given only its version gets the default policy, error budget included.
-    await fleet.deploy("digits", "1.0.0", selector={"group": group},
-                       canary={"version": "1.1.0"})
+    await fleet.deploy("digits", "1.0.0", selector={"group": group}, canary={"version": "1.1.0"})
     spec = (await fleet.desired(first, last_seq=1)).models[0].canary
     assert spec is not None and spec.policy == DEFAULT_CANARY_POLICY
-    for bad in ({"min_requests": 0}, {"min_requests": DEFAULT_CANARY_POLICY.window + 1},
-                {"max_error_rate": 1.5}, {"window": 50}):
-        refused = await fleet.deploy("digits", "1.0.0", selector={"group": group}, status=400,
-                                     canary={"version": "1.1.0", **bad})
+    for bad in (
+        {"min_requests": 0},
+        {"min_requests": DEFAULT_CANARY_POLICY.window + 1},
+        {"max_error_rate": 1.5},
+        {"window": 50},
+    ):
+        refused = await fleet.deploy(
+            "digits",
+            "1.0.0",
+            selector={"group": group},
+            status=400,
+            canary={"version": "1.1.0", **bad},
+        )
         assert next(iter(bad)) in refused["error"], refused
 
 
 async def test_label_deploy_skips_devices_whose_profile_no_variant_fits(fleet: Fleet) -> None:
-    await publish_versions(fleet.db, fleet.cp.clock(), "detector", "2.0.0",
-                           profiles=("jetson-orin",))
+    await publish_versions(
+        fleet.db, fleet.cp.clock(), "detector", "2.0.0", profiles=("jetson-orin",)
+    )
     site = {"site": fleet.id("f1")}
     await fleet.enroll("orin", labels=site, profile="jetson-orin")
     await fleet.enroll("x86", labels=site, profile="generic-x86_64")
@@ -352,8 +416,10 @@ async def test_label_deploy_skips_devices_whose_profile_no_variant_fits(fleet: F
     assert [d["device_id"] for d in answer["devices"]] == [fleet.id("orin")]
     assert "generic-x86_64" in answer["skipped"][fleet.id("x86")]
     code, refused = await fleet.cp.call(
-        "POST", "/api/v1/deployments",
-        body={"model": "detector", "version": "2.0.0", "selector": {"device_id": fleet.id("x86")}})
+        "POST",
+        "/api/v1/deployments",
+        body={"model": "detector", "version": "2.0.0", "selector": {"device_id": fleet.id("x86")}},
+    )
     assert code == 409 and "jetson-orin" in refused["error"]
 
 
@@ -383,14 +449,20 @@ async def test_canary_or_shadow_below_the_current_version_needs_rollback(fleet: 
     assert (await fleet.desired(probe)).seq == 1
 
     for extra in ({"canary": {"version": "0.9.0", "weight": 1.0}}, {"shadow": "1.0.0"}):
-        refused = await fleet.deploy("digits", "1.1.0", selector={"device_id": cam},
-                                     status=409, **extra)
+        refused = await fleet.deploy(
+            "digits", "1.1.0", selector={"device_id": cam}, status=409, **extra
+        )
         assert cam in refused["error"] and "rollback" in refused["error"], refused
         assert "canary" in refused["error"] or "shadow" in refused["error"], refused
     assert (await fleet.get(f"/api/v1/devices/{cam}/desired"))["seq"] == 1
 
-    await fleet.deploy("digits", "1.1.0", selector={"device_id": cam}, rollback=True,
-                       canary={"version": "0.9.0", "weight": 0.5})
+    await fleet.deploy(
+        "digits",
+        "1.1.0",
+        selector={"device_id": cam},
+        rollback=True,
+        canary={"version": "0.9.0", "weight": 0.5},
+    )
     state = await fleet.desired(probe, last_seq=1)
     assert state.seq == 2 and state.models[0].canary is not None
     assert state.models[0].canary.target.version == "0.9.0" and state.models[0].rollback
@@ -405,14 +477,17 @@ async def test_refusals_name_the_problem(fleet: Fleet) -> None:
     assert "nope" in (await fleet.deploy("nope", "1.0.0", selector=dev, status=404))["error"]
     await fleet.deploy("digits", "1.0.0", selector={"device_id": fleet.id("ghost")}, status=404)
     await fleet.deploy("digits", "1.0.0", selector={"device_id": cam, "group": "g"}, status=400)
-    await fleet.deploy("digits", "1.0.0", selector=dev, status=400, shadow="1.1.0",
-                       canary={"version": "1.1.0"})
-    await fleet.deploy("digits", "1.0.0", selector=dev, status=400,
-                       canary={"version": "1.1.0", "weight": 1.5})
+    await fleet.deploy(
+        "digits", "1.0.0", selector=dev, status=400, shadow="1.1.0", canary={"version": "1.1.0"}
+    )
+    await fleet.deploy(
+        "digits", "1.0.0", selector=dev, status=400, canary={"version": "1.1.0", "weight": 1.5}
+    )
     pending = (await fleet.cp.new_token(approval="manual"))["token"]
     await fleet.enroll("waiting", token=pending)
-    refused = await fleet.deploy("digits", "1.0.0", selector={"device_id": fleet.id("waiting")},
-                                 status=409)
+    refused = await fleet.deploy(
+        "digits", "1.0.0", selector={"device_id": fleet.id("waiting")}, status=409
+    )
     assert "pending" in refused["error"]
     code, answer = await fleet.cp.call("DELETE", f"/api/v1/devices/{cam}/models/digits")
     assert code == 404, answer
@@ -456,11 +531,16 @@ async def test_documents_are_re_signed_at_half_their_lifetime(fleet: Fleet) -> N
     # re-signed one is still good.
     fleet.cp.clock.advance(days=4)
     with pytest.raises(ExpiredError):
-        verify_desired_state(first_envelope, fleet.director, device_id=cam, last_seq=0,
-                             now=fleet.cp.clock())
+        verify_desired_state(
+            first_envelope, fleet.director, device_id=cam, last_seq=0, now=fleet.cp.clock()
+        )
     second_envelope = (await fleet.get(f"/api/v1/devices/{cam}/desired"))["envelope"]
-    assert verify_desired_state(second_envelope, fleet.director, device_id=cam, last_seq=1,
-                                now=fleet.cp.clock()).seq == 2
+    assert (
+        verify_desired_state(
+            second_envelope, fleet.director, device_id=cam, last_seq=1, now=fleet.cp.clock()
+        ).seq
+        == 2
+    )
 
 
 async def test_broker_down_at_deploy_publishes_once_it_returns(
@@ -503,13 +583,20 @@ async def test_models_view_compares_desired_and_reported_and_delete_removes(flee
 
     view = await fleet.get(f"/api/v1/devices/{cam}/models")
     assert view["desired_seq"] == 2 and view["applied_seq"] is None
-    assert [(m["model"], m["in_sync"]) for m in view["items"]] == [("digits", False),
-                                                                   ("iris", False)]
+    assert [(m["model"], m["in_sync"]) for m in view["items"]] == [
+        ("digits", False),
+        ("iris", False),
+    ]
 
     reported = ReportedState(
-        device_id=cam, ts=time.time(), applied_seq=2, profile="generic-x86_64",
-        models=[ModelStatus(name="digits", phase="active", active_version="1.0.0"),
-                ModelStatus(name="iris", phase="downloading")],
+        device_id=cam,
+        ts=time.time(),
+        applied_seq=2,
+        profile="generic-x86_64",
+        models=[
+            ModelStatus(name="digits", phase="active", active_version="1.0.0"),
+            ModelStatus(name="iris", phase="downloading"),
+        ],
     )
     await probe.publish(topics.reported(cam), reported.model_dump_json().encode(), retain=True)
 
@@ -560,8 +647,18 @@ def cli_fleet(tmp_path: Path) -> Iterator[CliFleet]:
     password = tmp_path / "admin.pw"
     password.write_text(ADMIN_PASSWORD + "\n")
     result = CliRunner().invoke(
-        main, ["init", "--data-dir", str(data_dir), "--admin-password-file", str(password),
-               "--listen", "127.0.0.1:0", "--broker-url", "mqtt://broker.test:1883"],
+        main,
+        [
+            "init",
+            "--data-dir",
+            str(data_dir),
+            "--admin-password-file",
+            str(password),
+            "--listen",
+            "127.0.0.1:0",
+            "--broker-url",
+            "mqtt://broker.test:1883",
+        ],
         catch_exceptions=False,
     )
     assert result.exit_code == 0, result.output
@@ -582,10 +679,12 @@ def cli_fleet(tmp_path: Path) -> Iterator[CliFleet]:
 
 def test_cli_round_trip(cli_fleet: CliFleet) -> None:
     token = cli_fleet.run("tokens", "create", "--group", "line-a").stdout.strip().splitlines()[-1]
-    body = orjson.dumps(envelope(PrivateKey.generate(), token, now=cli_fleet.clock(),
-                                 device_id="cam-1"))
-    request = urllib.request.Request(cli_fleet.url + "/api/v1/enroll", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = orjson.dumps(
+        envelope(PrivateKey.generate(), token, now=cli_fleet.clock(), device_id="cam-1")
+    )
+    request = urllib.request.Request(
+        cli_fleet.url + "/api/v1/enroll", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         assert json.loads(response.read())["status"] == "accepted"
 
@@ -598,8 +697,14 @@ def test_cli_round_trip(cli_fleet: CliFleet) -> None:
     assert "digits" in shown.stdout and "1.1.0" in shown.stdout
     signed = json.loads(cli_fleet.run("desired", "show", "cam-1", "--envelope").stdout)
     director = KeyStore(cli_fleet.settings.data_dir / "keys").load("director").public_key
-    assert verify_desired_state(signed, [director], device_id="cam-1", last_seq=0,
-                                now=cli_fleet.clock()).models[0].stable.version == "1.1.0"
+    assert (
+        verify_desired_state(
+            signed, [director], device_id="cam-1", last_seq=0, now=cli_fleet.clock()
+        )
+        .models[0]
+        .stable.version
+        == "1.1.0"
+    )
 
     refused = cli_fleet.run("deploy", "digits", "1.0.0", "--device", "cam-1", ok=False)
     assert "rollback" in refused.output and "cam-1" in refused.output
@@ -609,8 +714,9 @@ def test_cli_round_trip(cli_fleet: CliFleet) -> None:
 
     usage = cli_fleet.run("deploy", "digits", "1.0.0", ok=False)
     assert "exactly one of --device, --group or --label" in usage.output
-    usage = cli_fleet.run("deploy", "digits", "1.0.0", "--device", "cam-1", "--weight", "0.2",
-                          ok=False)
+    usage = cli_fleet.run(
+        "deploy", "digits", "1.0.0", "--device", "cam-1", "--weight", "0.2", ok=False
+    )
     assert "--canary" in usage.output
     missing = cli_fleet.run("deploy", "digits", "7.0.0", "--device", "cam-1", ok=False)
     assert "7.0.0" in missing.output and "404" in missing.output
@@ -625,28 +731,55 @@ def test_cli_round_trip(cli_fleet: CliFleet) -> None:
 
 def test_cli_deploy_sets_the_canary_policy(cli_fleet: CliFleet) -> None:
     token = cli_fleet.run("tokens", "create").stdout.strip().splitlines()[-1]
-    body = orjson.dumps(envelope(PrivateKey.generate(), token, now=cli_fleet.clock(),
-                                 device_id="cam-2"))
-    request = urllib.request.Request(cli_fleet.url + "/api/v1/enroll", data=body,
-                                     headers={"Content-Type": "application/json"})
+    body = orjson.dumps(
+        envelope(PrivateKey.generate(), token, now=cli_fleet.clock(), device_id="cam-2")
+    )
+    request = urllib.request.Request(
+        cli_fleet.url + "/api/v1/enroll", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         assert json.loads(response.read())["status"] == "accepted"
 
-    cli_fleet.run("deploy", "digits", "1.0.0", "--device", "cam-2", "--canary", "1.1.0",
-                  "--weight", "0.2", "--max-error-rate", "0.5", "--min-requests", "7")
+    cli_fleet.run(
+        "deploy",
+        "digits",
+        "1.0.0",
+        "--device",
+        "cam-2",
+        "--canary",
+        "1.1.0",
+        "--weight",
+        "0.2",
+        "--max-error-rate",
+        "0.5",
+        "--min-requests",
+        "7",
+    )
     signed = json.loads(cli_fleet.run("desired", "show", "cam-2", "--envelope").stdout)
     director = KeyStore(cli_fleet.settings.data_dir / "keys").load("director").public_key
-    state = verify_desired_state(signed, [director], device_id="cam-2", last_seq=0,
-                                 now=cli_fleet.clock())
+    state = verify_desired_state(
+        signed, [director], device_id="cam-2", last_seq=0, now=cli_fleet.clock()
+    )
     spec = state.models[0].canary
     assert spec is not None
     assert spec.policy == CanaryPolicy(weight=0.2, max_error_rate=0.5, min_requests=7)
 
-    usage = cli_fleet.run("deploy", "digits", "1.0.0", "--device", "cam-2",
-                          "--max-error-rate", "0.5", ok=False)
+    usage = cli_fleet.run(
+        "deploy", "digits", "1.0.0", "--device", "cam-2", "--max-error-rate", "0.5", ok=False
+    )
     assert "--canary" in usage.output
-    usage = cli_fleet.run("deploy", "digits", "1.0.0", "--device", "cam-2", "--canary", "1.1.0",
-                          "--min-requests", "0", ok=False)
+    usage = cli_fleet.run(
+        "deploy",
+        "digits",
+        "1.0.0",
+        "--device",
+        "cam-2",
+        "--canary",
+        "1.1.0",
+        "--min-requests",
+        "0",
+        ok=False,
+    )
     assert "--min-requests" in usage.output
 
 
@@ -654,11 +787,16 @@ def test_cli_deploy_sets_the_canary_policy(cli_fleet: CliFleet) -> None:
 def test_downgrade_counts_what_a_device_reports_running() -> None:
     known = {"1.0.0": parse_version("1.0.0").to_numeric()}
     target = parse_version("1.5.0").to_numeric()
-    below = downgrades(target, desired={"a": "1.0.0", "b": "1.0.0"},
-                       reported={"b": "2.0.0", "c": "1.5.0-rc1", "d": "not-semver"}, known=known)
+    below = downgrades(
+        target,
+        desired={"a": "1.0.0", "b": "1.0.0"},
+        reported={"b": "2.0.0", "c": "1.5.0-rc1", "d": "not-semver"},
+        known=known,
+    )
     assert below == {"b": "2.0.0"}  # an rc of the same release is below it; junk is ignored
     assert downgrades(parse_version("1.5.0-rc1").to_numeric(), {}, {"c": "1.5.0"}, {}) == {
-        "c": "1.5.0"}
+        "c": "1.5.0"
+    }
 
 
 def test_a_model_whose_version_vanished_is_left_out_of_the_document() -> None:

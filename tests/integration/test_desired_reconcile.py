@@ -37,8 +37,12 @@ class PersistentBroker(DynsecMosquittoBroker):
 
     def _config_lines(self) -> list[str]:
         lines = [line for line in super()._config_lines() if not line.startswith("persistence")]
-        return [*lines, "persistence true", f"persistence_location {self.workdir}/",
-                "autosave_interval 3600"]
+        return [
+            *lines,
+            "persistence true",
+            f"persistence_location {self.workdir}/",
+            "autosave_interval 3600",
+        ]
 
     def save(self, timeout_s: float = 10.0) -> None:
         """Write the in-memory database now and wait until the broker says it did."""
@@ -61,8 +65,9 @@ def persistent_broker(tmp_path: Path) -> Iterator[PersistentBroker]:
 
 
 @pytest.fixture
-async def fleet(database_url: str, tmp_path: Path,
-                dynsec_broker: DynsecMosquittoBroker) -> AsyncIterator[Fleet]:
+async def fleet(
+    database_url: str, tmp_path: Path, dynsec_broker: DynsecMosquittoBroker
+) -> AsyncIterator[Fleet]:
     async with open_fleet(database_url, tmp_path / "cp", dynsec_broker) as f:
         yield f
 
@@ -84,7 +89,8 @@ async def newest_seq_seen(fleet: Fleet, answer: dict[str, object], want: int) ->
 
 
 async def test_a_broker_killed_mid_deployment_comes_back_and_every_device_converges(
-    tmp_path: Path, persistent_broker: PersistentBroker,
+    tmp_path: Path,
+    persistent_broker: PersistentBroker,
 ) -> None:
     broker = persistent_broker
     url = f"sqlite:///{tmp_path / 'cp.db'}"

@@ -40,8 +40,6 @@ CP = CONTROLPLANE
 pytestmark = pytest.mark.timeout(300)
 
 
-
-
 def _get(url: str, token: str | None = None) -> Any:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
@@ -65,7 +63,9 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
 
 
 def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
-    fresh_dynsec_broker: DynsecMosquittoBroker, digits: DigitsModels, tmp_path: Path,
+    fresh_dynsec_broker: DynsecMosquittoBroker,
+    digits: DigitsModels,
+    tmp_path: Path,
     processes: list[subprocess.Popen[str]],
 ) -> None:
     broker = fresh_dynsec_broker
@@ -74,7 +74,11 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
 
     def sh(*args: Any, timeout: float = 120) -> str:
         done = subprocess.run(
-            [str(a) for a in args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+            [str(a) for a in args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
             env=env,
         )
         assert done.returncode == 0, f"{args[2:5]}: {done.stdout}\n{done.stderr}"
@@ -86,14 +90,32 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
     admin_pw = tmp_path / "admin.pw"
     admin_pw.write_text("correct horse battery staple")
     data = tmp_path / "cp"
-    out = sh(*CP, "init", "--data-dir", data, "--broker-url", broker_url,
-             "--broker-admin-url", broker_url, "--broker-admin-user", broker.admin_username,
-             "--broker-admin-password-file", secret, "--admin-user", "admin",
-             "--admin-password-file", admin_pw)
+    out = sh(
+        *CP,
+        "init",
+        "--data-dir",
+        data,
+        "--broker-url",
+        broker_url,
+        "--broker-admin-url",
+        broker_url,
+        "--broker-admin-user",
+        broker.admin_username,
+        "--broker-admin-password-file",
+        secret,
+        "--admin-user",
+        "admin",
+        "--admin-password-file",
+        admin_pw,
+    )
     api = out.strip().splitlines()[-1]
     cp = subprocess.Popen(
         [*CP, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
     )
     processes.append(cp)
     assert cp.stdout is not None
@@ -108,26 +130,43 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
     bundles = {}
     for version in ("1.0.0", "1.1.0"):
         path = tmp_path / f"digits-{version}.mcpb"
-        sh(*BUNDLE, "build", digits.onnx_path, "--name", "digits", "--version", version,
-           "-o", path)
+        sh(*BUNDLE, "build", digits.onnx_path, "--name", "digits", "--version", version, "-o", path)
         sh(*BUNDLE, "sign", path, "--key", key)
         bundles[version] = path
     sh(*BUNDLE, "push", bundles["1.0.0"], *auth)
 
     # One agent, enrolled, started with no model at all.
-    enroll_token = sh(*CP, "tokens", "create", "--uses", "1", "--expires", "1h",
-                      "--group", "line-a", *auth).strip().splitlines()[-1]
+    enroll_token = (
+        sh(*CP, "tokens", "create", "--uses", "1", "--expires", "1h", "--group", "line-a", *auth)
+        .strip()
+        .splitlines()[-1]
+    )
     state = tmp_path / "agent"
-    sh(*AGENT, "enroll", "--server", cp_url, "--token", enroll_token, "--device-id", "cam-1",
-       "--state-dir", state)
+    sh(
+        *AGENT,
+        "enroll",
+        "--server",
+        cp_url,
+        "--token",
+        enroll_token,
+        "--device-id",
+        "cam-1",
+        "--state-dir",
+        state,
+    )
     port = free_port()
     agent = subprocess.Popen(
         [*AGENT, "run", "--port", str(port), "--state-dir", str(state), "--health-interval", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
     )
     processes.append(agent)
-    wait_until(lambda: _get(f"{cp_url}/api/v1/devices", api)["items"][0].get("online"),
-          "cam-1 online", 90)
+    wait_until(
+        lambda: _get(f"{cp_url}/api/v1/devices", api)["items"][0].get("online"), "cam-1 online", 90
+    )
     assert _status(f"http://127.0.0.1:{port}/v2/models/digits/ready") == 404
 
     sh(*CP, "deploy", "digits", "1.0.0", "--device", "cam-1", *auth)
@@ -135,8 +174,18 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
     wait_until(lambda: _status(ready) == 200, "digits 1.0.0 served by the agent", 120)
 
     x = digits.X_test[:4].astype(np.float32)
-    body = json.dumps({"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
-                                   "data": x.ravel().tolist()}]}).encode()
+    body = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "input",
+                    "shape": list(x.shape),
+                    "datatype": "FP32",
+                    "data": x.ravel().tolist(),
+                }
+            ]
+        }
+    ).encode()
     infer = f"http://127.0.0.1:{port}/v2/models/digits/infer"
     req = urllib.request.Request(infer, data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
@@ -152,8 +201,9 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
         wait_until(lambda: len(client.versions) >= 20, "the client under way", 30)
         sh(*BUNDLE, "push", bundles["1.1.0"], *auth)
         sh(*CP, "deploy", "digits", "1.1.0", "--device", "cam-1", *auth)
-        wait_until(lambda: client.versions and client.versions[-1] == "1.1.0",
-              "answers from 1.1.0", 90)
+        wait_until(
+            lambda: client.versions and client.versions[-1] == "1.1.0", "answers from 1.1.0", 90
+        )
         seen = len(client.versions)
         wait_until(lambda: len(client.versions) >= seen + 20, "more answers after the swap", 30)
     finally:
@@ -177,6 +227,9 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
     steps = [p for v, p, _ in phases() if v == "1.1.0"]
     for phase in ("downloading", "verifying", "installing", "loading", "active"):
         assert phase in steps, steps
-    downloaded = [e for e in _get(f"{cp_url}/api/v1/devices/cam-1/events?limit=200", api)["items"]
-                  if e["version"] == "1.1.0" and e.get("bytes_total")]
+    downloaded = [
+        e
+        for e in _get(f"{cp_url}/api/v1/devices/cam-1/events?limit=200", api)["items"]
+        if e["version"] == "1.1.0" and e.get("bytes_total")
+    ]
     assert downloaded and downloaded[-1]["bytes_total"] == bundles["1.1.0"].stat().st_size

@@ -55,8 +55,12 @@ class Enrollment:
         secret = issue_secret(ENROLLMENT_TOKEN_PREFIX)
         async with self.db.transaction() as tx:
             await token_q.create_token(
-                tx, token_hash=secret.digest, prefix=secret.prefix, now=self.clock(),
-                created_by="admin", approval=approval.value,
+                tx,
+                token_hash=secret.digest,
+                prefix=secret.prefix,
+                now=self.clock(),
+                created_by="admin",
+                approval=approval.value,
             )
         return secret.token
 
@@ -68,14 +72,19 @@ class Enrollment:
 
 @pytest.fixture
 async def enrollment(tmp_path: Path) -> AsyncIterator[Enrollment]:
-    settings = Settings(data_dir=tmp_path / "cp", database_url=f"sqlite:///{tmp_path / 'cp.db'}",
-                        password_cost=PasswordCost.MIN, broker_urls=("mqtt://broker.test:1883",))
+    settings = Settings(
+        data_dir=tmp_path / "cp",
+        database_url=f"sqlite:///{tmp_path / 'cp.db'}",
+        password_cost=PasswordCost.MIN,
+        broker_urls=("mqtt://broker.test:1883",),
+    )
     clock = FakeClock()
     await initialize(settings, clock=clock, admin_user="admin", admin_password=ADMIN_PASSWORD)
     db = Database(settings.effective_database_url)
     deployments, provisioner = LostDeployments(), FakeProvisioner()
-    service = EnrollmentService(db, provisioner, NoTrust(), settings, clock,
-                                ControlPlaneMetrics(), deployments=deployments)
+    service = EnrollmentService(
+        db, provisioner, NoTrust(), settings, clock, ControlPlaneMetrics(), deployments=deployments
+    )
     yield Enrollment(service, db, clock, deployments, provisioner)
     await db.dispose()
 

@@ -53,8 +53,9 @@ class Fleet:
     enrolled: list[str]
 
     async def enroll(self, device_id: str) -> Credentials:
-        status, answer = await self.cp.enroll(PrivateKey.generate(), self.token,
-                                               device_id=device_id)
+        status, answer = await self.cp.enroll(
+            PrivateKey.generate(), self.token, device_id=device_id
+        )
         assert status == 200 and answer["status"] == "accepted", answer
         self.enrolled.append(device_id)
         broker = answer["broker"]
@@ -103,15 +104,20 @@ async def fleet(
     database_url: str, tmp_path: Path, dynsec_broker: DynsecMosquittoBroker
 ) -> AsyncIterator[Fleet]:
     settings = Settings(
-        data_dir=tmp_path / "cp", database_url=database_url, password_cost=PasswordCost.MIN,
+        data_dir=tmp_path / "cp",
+        database_url=database_url,
+        password_cost=PasswordCost.MIN,
         broker_urls=(f"mqtt://{dynsec_broker.host}:{dynsec_broker.port}",),
     )
     clock = FakeClock()
-    result = await initialize(settings, clock=clock, admin_user="admin",
-                              admin_password=ADMIN_PASSWORD)
+    result = await initialize(
+        settings, clock=clock, admin_user="admin", admin_password=ADMIN_PASSWORD
+    )
     assert result.api_token is not None
     async with DynsecProvisioner(
-        dynsec_broker.host, dynsec_broker.port, dynsec_broker.admin_username,
+        dynsec_broker.host,
+        dynsec_broker.port,
+        dynsec_broker.admin_username,
         dynsec_broker.admin_password,
     ) as provisioner:
         service = await provisioner.provision_service(f"cp-test-{secrets.token_hex(3)}")
@@ -129,8 +135,9 @@ async def fleet(
                 await probe.close()
             await client.close()
             # Clear the retained status this test left, as the service account (now free).
-            cleaner = MqttProbe(dynsec_broker, service.client_id, service.username,
-                                service.password)
+            cleaner = MqttProbe(
+                dynsec_broker, service.client_id, service.username, service.password
+            )
             assert await cleaner.connect() == "Success"
             for device_id in f.enrolled:
                 await cleaner.publish(topics.status(device_id), b"", retain=True)
@@ -138,19 +145,36 @@ async def fleet(
 
 
 def health(device_id: str, ts: float, cpu: float = 10.0, **extra: Any) -> bytes:
-    return orjson.dumps({
-        "device_id": device_id, "ts": ts, "cpu_percent": cpu, "mem_total_mb": 1024.0,
-        "mem_used_mb": 512.0, "disk_free_mb": 900.0, "process_rss_mb": 60.0,
-        "temperatures_c": {"cpu": 41.5}, "gpu": {"util_percent": 3.0}, **extra,
-    })
+    return orjson.dumps(
+        {
+            "device_id": device_id,
+            "ts": ts,
+            "cpu_percent": cpu,
+            "mem_total_mb": 1024.0,
+            "mem_used_mb": 512.0,
+            "disk_free_mb": 900.0,
+            "process_rss_mb": 60.0,
+            "temperatures_c": {"cpu": 41.5},
+            "gpu": {"util_percent": 3.0},
+            **extra,
+        }
+    )
 
 
 def event(device_id: str, seq: int, phase: str = "downloading") -> bytes:
-    return orjson.dumps({
-        "device_id": device_id, "event_seq": seq, "ts": 1_777_000_000.0 + seq,
-        "model": "digits", "version": "1.0.0", "phase": phase, "outcome": "progress",
-        "bytes_done": seq * 100, "bytes_total": 1000,
-    })
+    return orjson.dumps(
+        {
+            "device_id": device_id,
+            "event_seq": seq,
+            "ts": 1_777_000_000.0 + seq,
+            "model": "digits",
+            "version": "1.0.0",
+            "phase": phase,
+            "outcome": "progress",
+            "bytes_done": seq * 100,
+            "bytes_total": 1000,
+        }
+    )
 
 
 async def online_ids(fleet: Fleet) -> set[str]:
@@ -244,8 +268,10 @@ async def test_bad_input_on_every_topic_is_counted_and_dropped(fleet: Fleet) -> 
         (health_topic, health("cam-a", 1.0, padding="x" * 20_000)),
         (health_topic, health("cam-b", 1.0)),  # A speaking for B on A's own topic
         (topics.telemetry("cam-a", TelemetryKind.INFERENCE), b"[1, 2"),
-        (topics.telemetry("cam-a", TelemetryKind.INFERENCE),
-         orjson.dumps({"device_id": "cam-a", "ts": 1.0, "window_s": 0})),
+        (
+            topics.telemetry("cam-a", TelemetryKind.INFERENCE),
+            orjson.dumps({"device_id": "cam-a", "ts": 1.0, "window_s": 0}),
+        ),
         (topics.telemetry("cam-a", TelemetryKind.DRIFT), b"\xff\xfe"),
         (topics.events("cam-a"), b"nope"),
         (topics.events("cam-a"), orjson.dumps({"device_id": "cam-a", "event_seq": -1})),
@@ -265,8 +291,12 @@ async def test_bad_input_on_every_topic_is_counted_and_dropped(fleet: Fleet) -> 
     (stored,) = await until(good_one_stored, "the good sample after the bad ones")
     assert stored["cpu_percent"] == 42.0
     expected = {
-        "malformed_json": 5, "schema": 4, "too_large": 2, "device_mismatch": 1,
-        "bad_status": 1, "unknown_device": 1,
+        "malformed_json": 5,
+        "schema": 4,
+        "too_large": 2,
+        "device_mismatch": 1,
+        "bad_status": 1,
+        "unknown_device": 1,
     }
 
     async def counted() -> dict[str, float]:

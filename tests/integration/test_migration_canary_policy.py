@@ -22,13 +22,16 @@ async def test_rows_from_before_the_policy_columns_read_as_the_default_policy(
     try:
         assert await upgrade_head(db, BEFORE) == BEFORE
         async with db.engine.begin() as conn:
-            await conn.execute(text(
-                "INSERT INTO deployments (action, model, version, group_name, canary_version, "
-                "canary_weight, rollback, created_by, created_at, devices_matched) VALUES "
-                "('deploy', 'digits', '1.0.0', 'line-a', '1.1.0', 0.25, false, 'user:admin', "
-                ":at, 0), ('deploy', 'digits', '1.0.0', 'line-b', NULL, NULL, false, "
-                "'user:admin', :at, 0)"
-            ), {"at": datetime(2030, 1, 1, tzinfo=timezone.utc)})
+            await conn.execute(
+                text(
+                    "INSERT INTO deployments (action, model, version, group_name, canary_version, "
+                    "canary_weight, rollback, created_by, created_at, devices_matched) VALUES "
+                    "('deploy', 'digits', '1.0.0', 'line-a', '1.1.0', 0.25, false, 'user:admin', "
+                    ":at, 0), ('deploy', 'digits', '1.0.0', 'line-b', NULL, NULL, false, "
+                    "'user:admin', :at, 0)"
+                ),
+                {"at": datetime(2030, 1, 1, tzinfo=timezone.utc)},
+            )
 
         assert await upgrade_head(db) == head_revision()
         assert await schema_differences(db) == []
@@ -41,9 +44,16 @@ async def test_rows_from_before_the_policy_columns_read_as_the_default_policy(
         async with db.transaction() as tx:
             policy = CanaryPolicy(weight=0.5, max_error_rate=0.3, min_requests=9)
             row = await q.insert_deployment(
-                tx, action="deploy", model="digits", version="1.0.0", group_name="line-c",
-                canary_version="1.1.0", **q.canary_columns(policy), rollback=False,
-                created_by="user:admin", created_at=datetime(2030, 1, 2, tzinfo=timezone.utc),
+                tx,
+                action="deploy",
+                model="digits",
+                version="1.0.0",
+                group_name="line-c",
+                canary_version="1.1.0",
+                **q.canary_columns(policy),
+                rollback=False,
+                created_by="user:admin",
+                created_at=datetime(2030, 1, 2, tzinfo=timezone.utc),
                 devices_matched=0,
             )
         async with db.read() as tx:

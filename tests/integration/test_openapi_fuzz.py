@@ -62,30 +62,51 @@ BEYOND_THE_SCHEMA = {
 }
 # Every operation: no string may hold a NUL character (the document's description says so).
 NUL_REFUSED = re.compile(r"contains a NUL character")
+
+
 def served_document() -> dict[str, Any]:
     """The document the app serves; building the app touches neither disk nor network."""
     app = create_app(Settings(data_dir=Path("unused")), FakeProvisioner())
     return dict(orjson.loads(app[OPENAPI]))
 
 
-CONFIG = schemathesis.Config.from_dict({
-    "seed": SEED,
-    "cache": {"enabled": False},
-    "generation": {
-        "max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none",
-        "with-security-parameters": False,
-    },
-    # A body over the size cap is refused too (413), before its schema is read.
-    "checks": {"negative_data_rejection": {"expected-statuses": [
-        "400", "401", "403", "404", "405", "406", "409", "413", "415", "422", "428", "429",
-    ]}},
-    "phases": {
-        "examples": {"enabled": True},
-        "coverage": {"enabled": True},
-        "fuzzing": {"enabled": True},
-        "stateful": {"enabled": False},
-    },
-})
+CONFIG = schemathesis.Config.from_dict(
+    {
+        "seed": SEED,
+        "cache": {"enabled": False},
+        "generation": {
+            "max-examples": MAX_EXAMPLES,
+            "deterministic": True,
+            "database": "none",
+            "with-security-parameters": False,
+        },
+        # A body over the size cap is refused too (413), before its schema is read.
+        "checks": {
+            "negative_data_rejection": {
+                "expected-statuses": [
+                    "400",
+                    "401",
+                    "403",
+                    "404",
+                    "405",
+                    "406",
+                    "409",
+                    "413",
+                    "415",
+                    "422",
+                    "428",
+                    "429",
+                ]
+            }
+        },
+        "phases": {
+            "examples": {"enabled": True},
+            "coverage": {"enabled": True},
+            "fuzzing": {"enabled": True},
+            "stateful": {"enabled": False},
+        },
+    }
+)
 # Collected from the document the app builds (schemathesis makes one test per operation at
 # collection time, before any server runs); a test checks that the live control plane serves
 # exactly this document.
@@ -107,8 +128,11 @@ def fresh_admin_token(url: str) -> str:
 def live_cp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("fuzzed-cp")
     settings = Settings(
-        data_dir=root / "cp", database_url=f"sqlite:///{root / 'cp.db'}",
-        password_cost=PasswordCost.MIN, broker_urls=("mqtt://broker.test:1883",), port=0,
+        data_dir=root / "cp",
+        database_url=f"sqlite:///{root / 'cp.db'}",
+        password_cost=PasswordCost.MIN,
+        broker_urls=("mqtt://broker.test:1883",),
+        port=0,
     )
     clock = FakeClock()
     asyncio.run(initialize(settings, clock=clock, admin_user=ADMIN, admin_password=ADMIN_PASSWORD))
@@ -135,7 +159,8 @@ def test_every_operation_answers_as_its_document_says(case: Any, live_cp: str) -
         message = response.json()["error"]
         if NUL_REFUSED.search(message) is None:
             assert refusal is not None and refusal.search(message), (
-                f"{label} refused a valid request: {message}")
+                f"{label} refused a valid request: {message}"
+            )
         checks = [c for c in CHECKS if c is not positive_data_acceptance]
     case.validate_response(response, checks=checks, headers=headers)
     if case.operation.definition.raw.get("security"):

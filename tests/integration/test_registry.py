@@ -104,7 +104,9 @@ async def make_cp(database_url: str, tmp_path: Path) -> AsyncIterator[MakeContro
             password_cost=PasswordCost.MIN,
             **overrides,
         )
-        cp = await start_control_plane(settings, FakeClock(datetime.now(timezone.utc).replace(microsecond=0)))
+        cp = await start_control_plane(
+            settings, FakeClock(datetime.now(timezone.utc).replace(microsecond=0))
+        )
         clients.append(cp.client)
         return cp
 
@@ -516,7 +518,9 @@ def test_repository_settings_come_from_the_config_file_and_environment(tmp_path:
     with pytest.raises(SettingsError, match="max_bundle_bytes"):
         load_settings(tmp_path, environ={"MCP_MAX_BUNDLE_BYTES": "ten"})
     assert load_settings(tmp_path, environ={}).repository_http is True
-    assert load_settings(tmp_path, environ={"MCP_REPOSITORY_HTTP": "false"}).repository_http is False
+    assert (
+        load_settings(tmp_path, environ={"MCP_REPOSITORY_HTTP": "false"}).repository_http is False
+    )
     (tmp_path / "controlplane.toml").write_text("repository_http = false\n")
     assert load_settings(tmp_path, environ={}).repository_http is False
     with pytest.raises(SettingsError, match="repository_http"):

@@ -66,8 +66,10 @@ def test_oversized_requests_get_400_and_one_log_line_per_burst_without_traceback
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     settings = Settings(
-        data_dir=tmp_path / "cp", database_url=f"sqlite:///{tmp_path / 'cp.db'}",
-        password_cost=PasswordCost.MIN, port=0,
+        data_dir=tmp_path / "cp",
+        database_url=f"sqlite:///{tmp_path / 'cp.db'}",
+        password_cost=PasswordCost.MIN,
+        port=0,
     )
     caplog.set_level(logging.INFO)
     with served(settings, FakeProvisioner()) as url:
@@ -101,8 +103,10 @@ async def dynsec_cp(
         broker.host, broker.port, broker.admin_username, broker.admin_password
     ) as provisioner:
         settings = Settings(
-            data_dir=tmp_path / "cp", database_url=f"sqlite:///{tmp_path / 'cp.db'}",
-            password_cost=PasswordCost.MIN, broker_urls=("mqtt://broker.test:1883",),
+            data_dir=tmp_path / "cp",
+            database_url=f"sqlite:///{tmp_path / 'cp.db'}",
+            password_cost=PasswordCost.MIN,
+            broker_urls=("mqtt://broker.test:1883",),
         )
         cp = await start_control_plane(settings, FakeClock(), provisioner)
         try:
@@ -182,7 +186,8 @@ async def test_a_preauthorized_device_whose_id_a_service_holds_stays_preauthoriz
     await provisioner.provision_service(service)
     key = PrivateKey.generate()
     status, pre = await cp.call(
-        "POST", "/api/v1/preauthorizations",
+        "POST",
+        "/api/v1/preauthorizations",
         body={"public_key": key.public_key.raw.hex(), "device_id": service},
     )
     assert status == 201, pre
@@ -211,7 +216,8 @@ NON_CANONICAL = "ee" + "ff" * 30 + "7f"  # y = p + 1
 @pytest.fixture
 async def cp(tmp_path: Path) -> AsyncIterator[ControlPlane]:
     settings = Settings(
-        data_dir=tmp_path / "cp", database_url=f"sqlite:///{tmp_path / 'cp.db'}",
+        data_dir=tmp_path / "cp",
+        database_url=f"sqlite:///{tmp_path / 'cp.db'}",
         password_cost=PasswordCost.MIN,
     )
     control_plane = await start_control_plane(settings, FakeClock())
@@ -231,7 +237,9 @@ async def _signed_targets(cp: ControlPlane) -> dict[str, Any]:
     snapshot = await metadata(
         f"{timestamp['signed']['meta']['snapshot.json']['version']}.snapshot.json"
     )
-    targets = await metadata(f"{snapshot['signed']['meta']['targets.json']['version']}.targets.json")
+    targets = await metadata(
+        f"{snapshot['signed']['meta']['targets.json']['version']}.targets.json"
+    )
     return dict(targets["signed"])
 
 
@@ -256,7 +264,8 @@ async def test_unusable_publisher_keys_are_refused_and_never_signed_into_targets
 
 async def test_unusable_keys_cannot_be_preauthorized(cp: ControlPlane) -> None:
     status, answer = await cp.call(
-        "POST", "/api/v1/preauthorizations",
+        "POST",
+        "/api/v1/preauthorizations",
         body={"public_key": SMALL_ORDER["all zeros"], "device_id": "kiosk-1"},
     )
     assert status == 400 and "small order" in answer["error"], answer
@@ -267,8 +276,12 @@ async def test_unusable_keys_cannot_be_preauthorized(cp: ControlPlane) -> None:
 async def test_a_device_cannot_enroll_with_a_small_order_key(cp: ControlPlane) -> None:
     token = await cp.new_token()
     request = EnrollmentRequest(
-        public_key=SMALL_ORDER["all zeros"], token=token["token"], nonce=new_nonce(),
-        timestamp=cp.clock(), profile="generic-x86_64", agent_version="0.1.0",
+        public_key=SMALL_ORDER["all zeros"],
+        token=token["token"],
+        nonce=new_nonce(),
+        timestamp=cp.clock(),
+        profile="generic-x86_64",
+        agent_version="0.1.0",
     )
     # Nobody holds the private half of such a key: sign with some other key.
     body = sign_document(request.model_dump(mode="json"), PrivateKey.generate())
@@ -285,7 +298,8 @@ async def test_an_unusable_key_registered_by_an_older_version_is_left_out_at_sta
     tmp_path: Path,
 ) -> None:
     settings = Settings(
-        data_dir=tmp_path / "cp", database_url=f"sqlite:///{tmp_path / 'cp.db'}",
+        data_dir=tmp_path / "cp",
+        database_url=f"sqlite:///{tmp_path / 'cp.db'}",
         password_cost=PasswordCost.MIN,
     )
     first = await start_control_plane(settings, FakeClock())
@@ -318,8 +332,16 @@ async def test_an_unusable_key_registered_by_an_older_version_is_left_out_at_sta
 # ---------------------------------------------------------------------------- publisher names
 @pytest.mark.parametrize(
     "name",
-    ["vision\nteam", "vision\n", "\x1b[31mvision", "vision\x00", "v" * 65, "", " vision",
-     "vision\u202eteam"],
+    [
+        "vision\nteam",
+        "vision\n",
+        "\x1b[31mvision",
+        "vision\x00",
+        "v" * 65,
+        "",
+        " vision",
+        "vision\u202eteam",
+    ],
 )
 async def test_publisher_names_must_be_short_and_printable(cp: ControlPlane, name: str) -> None:
     key = PrivateKey.generate().public_key.raw.hex()

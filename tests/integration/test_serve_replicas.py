@@ -52,13 +52,32 @@ class Site:
         admin_pw = self.tmp / "admin.pw"
         admin_pw.write_text(ADMIN_PASSWORD)
         done = subprocess.run(
-            [*CONTROLPLANE, "init", "--data-dir", str(data), "--database-url", self.database_url,
-             "--broker-url", url, "--broker-admin-url", url,
-             "--broker-admin-user", self.broker.admin_username,
-             "--broker-admin-password-file", str(secret),
-             *(() if self.token else ("--admin-user", "admin",
-                                       "--admin-password-file", str(admin_pw)))],
-            capture_output=True, text=True, timeout=120, cwd=REPO, env=ENV,
+            [
+                *CONTROLPLANE,
+                "init",
+                "--data-dir",
+                str(data),
+                "--database-url",
+                self.database_url,
+                "--broker-url",
+                url,
+                "--broker-admin-url",
+                url,
+                "--broker-admin-user",
+                self.broker.admin_username,
+                "--broker-admin-password-file",
+                str(secret),
+                *(
+                    ()
+                    if self.token
+                    else ("--admin-user", "admin", "--admin-password-file", str(admin_pw))
+                ),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            env=ENV,
         )
         assert done.returncode == 0, done.stderr
         if not self.token:
@@ -100,11 +119,16 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
         yield procs
 
 
-def start_serve(data: Path, procs: list[subprocess.Popen[str]], *, env: dict[str, str] | None = None
-                ) -> Serve:
+def start_serve(
+    data: Path, procs: list[subprocess.Popen[str]], *, env: dict[str, str] | None = None
+) -> Serve:
     proc = subprocess.Popen(
         [*CONTROLPLANE, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env or ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env or ENV,
     )
     procs.append(proc)
     assert proc.stdout is not None
@@ -121,7 +145,9 @@ def all_sessions_up(serve: Serve) -> bool:
 
 
 def test_a_second_serve_on_the_same_data_dir_is_refused_and_the_first_keeps_working(
-    site: Site, digits: DigitsModels, processes: list[subprocess.Popen[str]],
+    site: Site,
+    digits: DigitsModels,
+    processes: list[subprocess.Popen[str]],
 ) -> None:
     data = site.tmp / "cp"
     site.init(data)
@@ -130,7 +156,11 @@ def test_a_second_serve_on_the_same_data_dir_is_refused_and_the_first_keeps_work
 
     second = subprocess.run(
         [*CONTROLPLANE, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
-        capture_output=True, text=True, timeout=60, cwd=REPO, env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=ENV,
     )
     assert second.returncode != 0
     assert "another mcp-controlplane serve is running" in second.stderr
@@ -139,23 +169,66 @@ def test_a_second_serve_on_the_same_data_dir_is_refused_and_the_first_keeps_work
     # The running replica's broker sessions were never reset: a device enrolled now comes
     # online through its ingestion, and it stays ready.
     token = subprocess.run(
-        [*CONTROLPLANE, "tokens", "create", "--uses", "1", "--expires", "1h",
-         "--server", first.url, "--token", site.token],
-        capture_output=True, text=True, timeout=60, cwd=REPO, env=ENV,
+        [
+            *CONTROLPLANE,
+            "tokens",
+            "create",
+            "--uses",
+            "1",
+            "--expires",
+            "1h",
+            "--server",
+            first.url,
+            "--token",
+            site.token,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=ENV,
     )
     assert token.returncode == 0, token.stderr
     state = site.tmp / "cam"
     enrolled = subprocess.run(
-        [*AGENT, "enroll", "--server", first.url, "--token", token.stdout.strip().splitlines()[-1],
-         "--device-id", "cam-1", "--state-dir", str(state)],
-        capture_output=True, text=True, timeout=60, cwd=REPO, env=ENV,
+        [
+            *AGENT,
+            "enroll",
+            "--server",
+            first.url,
+            "--token",
+            token.stdout.strip().splitlines()[-1],
+            "--device-id",
+            "cam-1",
+            "--state-dir",
+            str(state),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=ENV,
     )
     assert enrolled.returncode == 0, enrolled.stderr
-    processes.append(subprocess.Popen(
-        [*AGENT, "run", "--model-path", str(digits.onnx_path), "--port", str(free_port()),
-         "--state-dir", str(state)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=ENV,
-    ))
+    processes.append(
+        subprocess.Popen(
+            [
+                *AGENT,
+                "run",
+                "--model-path",
+                str(digits.onnx_path),
+                "--port",
+                str(free_port()),
+                "--state-dir",
+                str(state),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd=REPO,
+            env=ENV,
+        )
+    )
 
     def online() -> bool:
         code, body = http_json(f"{first.url}/api/v1/devices/cam-1", token=site.token)
@@ -166,7 +239,8 @@ def test_a_second_serve_on_the_same_data_dir_is_refused_and_the_first_keeps_work
 
 
 def test_readyz_and_the_metric_turn_unready_when_a_session_cannot_log_in(
-    site: Site, processes: list[subprocess.Popen[str]],
+    site: Site,
+    processes: list[subprocess.Popen[str]],
 ) -> None:
     data = site.tmp / "cp"
     site.init(data)
@@ -175,11 +249,21 @@ def test_readyz_and_the_metric_turn_unready_when_a_session_cannot_log_in(
 
     # Someone resets the ingest account's password: Mosquitto drops the session and refuses
     # every login after it.
-    site.admin([{"command": "setClientPassword", "username": "svc-cp-test-a",
-                 "password": "not-the-replicas"}])
+    site.admin(
+        [
+            {
+                "command": "setClientPassword",
+                "username": "svc-cp-test-a",
+                "password": "not-the-replicas",
+            }
+        ]
+    )
     # First the session is lost; the reconnect that follows is refused.
-    wait_until(lambda: "refused the login" in get_text(f"{serve.url}/readyz")[1],
-               "/readyz naming the refused login", 30)
+    wait_until(
+        lambda: "refused the login" in get_text(f"{serve.url}/readyz")[1],
+        "/readyz naming the refused login",
+        30,
+    )
     code, body = get_text(f"{serve.url}/readyz")
     assert code == 503
     assert "broker session ingest" in body and "refused the login" in body, body
@@ -196,7 +280,8 @@ def get_text(url: str) -> tuple[int, str]:
 
 
 def test_two_replicas_on_one_database_start_and_restart_in_any_order(
-    site: Site, processes: list[subprocess.Popen[str]],
+    site: Site,
+    processes: list[subprocess.Popen[str]],
 ) -> None:
     a_dir, b_dir = site.tmp / "cp-a", site.tmp / "cp-b"
     site.init(a_dir)

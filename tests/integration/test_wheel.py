@@ -20,7 +20,9 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dist = work / "dist"
     subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(REPO)],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     wheels = list(dist.glob("mcp_edge-*.whl"))
     assert len(wheels) == 1, wheels
@@ -31,10 +33,20 @@ def installed_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env_dir = work / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     subprocess.run(
-        [str(env_dir / "bin" / "python"), "-m", "pip", "install", "-q",
-         "--disable-pip-version-check", "-c", str(REPO / "deploy" / "constraints.txt"),
-         str(wheels[0])],
-        check=True, capture_output=True, text=True,
+        [
+            str(env_dir / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "-c",
+            str(REPO / "deploy" / "constraints.txt"),
+            str(wheels[0]),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return env_dir
 
@@ -65,11 +77,20 @@ def test_packages_import_and_profiles_load_from_the_wheel(
     # Run from a directory whose own agent/ and shared/ would shadow generic names.
     out = subprocess.run(
         [str(installed_wheel / "bin" / "python"), "-c", code],
-        cwd=clashing_dir, check=True, capture_output=True, text=True,
+        cwd=clashing_dir,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.splitlines()
     assert "site-packages" in out[0]
-    assert {"jetson-orin", "apple-silicon", "intel-xeon", "generic-x86_64", "generic-arm64",
-            "raspberry-pi"} <= set(out[1].split(","))
+    assert {
+        "jetson-orin",
+        "apple-silicon",
+        "intel-xeon",
+        "generic-x86_64",
+        "generic-arm64",
+        "raspberry-pi",
+    } <= set(out[1].split(","))
 
 
 @pytest.mark.timeout(900)
@@ -79,7 +100,9 @@ def test_console_scripts_answer_help(
 ) -> None:
     result = subprocess.run(
         [str(installed_wheel / "bin" / script), "--help"],
-        cwd=clashing_dir, capture_output=True, text=True,
+        cwd=clashing_dir,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stderr
     assert "Usage:" in result.stdout

@@ -64,7 +64,8 @@ class FakeProvisioner:
         self._check()
         self.provisioned.append(device_id)
         return Credentials(
-            username=device_id, password=f"pw-{device_id}-{next(self._serial)}",
+            username=device_id,
+            password=f"pw-{device_id}-{next(self._serial)}",
             client_id=device_id,
         )
 
@@ -110,8 +111,13 @@ def envelope(
 ) -> dict[str, Any]:
     """A signed enrollment request, exactly as `mcp-agent enroll` builds it."""
     request = EnrollmentRequest(
-        device_id=device_id, public_key=key.public_key.raw.hex(), token=token,
-        nonce=nonce or new_nonce(), timestamp=now, profile=profile, labels=labels or {},
+        device_id=device_id,
+        public_key=key.public_key.raw.hex(),
+        token=token,
+        nonce=nonce or new_nonce(),
+        timestamp=now,
+        profile=profile,
+        labels=labels or {},
         facts=facts if facts is not None else {"cpu_count": 4, "os": "linux"},
         agent_version="0.1.0",
     )

@@ -64,9 +64,7 @@ class SignedRepo:
     publisher: PrivateKey
 
     @classmethod
-    def create(
-        cls, root: Path, *, clock: Any = None, expiry: Expiry | None = None
-    ) -> SignedRepo:
+    def create(cls, root: Path, *, clock: Any = None, expiry: Expiry | None = None) -> SignedRepo:
         repo = TufRepository(root / "repo", KeyStore(root / "keys"), clock=clock, expiry=expiry)
         repo.init()
         publisher = PrivateKey.generate()

@@ -78,7 +78,9 @@ async def test_high_priority_overtakes_queued_low_priority() -> None:
 async def test_full_queue_is_refused_at_once_with_retry_after() -> None:
     runner = DoublingRunner()
     runner.gate.clear()
-    batcher = DynamicBatcher([runner], BatchingConfig(max_batch_size=1, max_queue=3, inline_below_s=0))
+    batcher = DynamicBatcher(
+        [runner], BatchingConfig(max_batch_size=1, max_queue=3, inline_below_s=0)
+    )
     running = asyncio.create_task(batcher.infer(_x(0)))
     await _wait_entered(runner)
     queued = [asyncio.create_task(batcher.infer(_x(1))) for _ in range(3)]

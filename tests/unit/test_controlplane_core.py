@@ -36,7 +36,10 @@ NOW = datetime(2026, 5, 1, tzinfo=timezone.utc)
 
 def token(**changes: object) -> TokenFacts:
     base: dict[str, object] = {
-        "approval": Approval.AUTO, "uses": 0, "max_uses": None, "expires_at": None,
+        "approval": Approval.AUTO,
+        "uses": 0,
+        "max_uses": None,
+        "expires_at": None,
         "revoked_at": None,
     }
     base.update(changes)
@@ -104,7 +107,10 @@ def test_operator_labels_win_over_device_labels() -> None:
 
 def test_settings_round_trip_through_the_config_file(tmp_path: Path) -> None:
     settings = Settings(
-        data_dir=tmp_path, database_url="postgresql://cp@db/mcp", host="0.0.0.0", port=9000,
+        data_dir=tmp_path,
+        database_url="postgresql://cp@db/mcp",
+        host="0.0.0.0",
+        port=9000,
         broker_urls=("mqtts://a:8883", "mqtts://b:8883"),
         enrollment_approval=EnrollmentApproval.MANUAL,
     )

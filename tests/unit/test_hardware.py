@@ -84,13 +84,16 @@ def profiles() -> Profiles:
 
 
 def orin_root(base: Path, release: str = ORIN_RELEASE) -> Path:
-    return fake_root(base, {
-        "/etc/nv_tegra_release": release,
-        "/proc/device-tree/model": b"NVIDIA Jetson AGX Orin Developer Kit\x00",
-        "/proc/cpuinfo": arm_cpuinfo("0xd42", 12),
-        "/proc/meminfo": meminfo(62_000),
-        "/dev/nvhost-ctrl-gpu": "",
-    })
+    return fake_root(
+        base,
+        {
+            "/etc/nv_tegra_release": release,
+            "/proc/device-tree/model": b"NVIDIA Jetson AGX Orin Developer Kit\x00",
+            "/proc/cpuinfo": arm_cpuinfo("0xd42", 12),
+            "/proc/meminfo": meminfo(62_000),
+            "/dev/nvhost-ctrl-gpu": "",
+        },
+    )
 
 
 def detect(root: Path, system: str = "Linux", machine: str = "aarch64") -> HostFacts:
@@ -120,8 +123,7 @@ def test_jetpack_5_is_refused_for_generic_arm64(tmp_path: Path, profiles: Profil
     facts = detect(orin_root(tmp_path, XAVIER_ERA_RELEASE))
     assert (facts.l4t_release, facts.jetpack) == (35, "5.x")
     choice = select_profile(facts, profiles)
-    refusal = ("JetPack 5 / L4T R35 is not supported; "
-               "Jetson Orin needs JetPack 6.0+ (L4T R36)")
+    refusal = "JetPack 5 / L4T R35 is not supported; Jetson Orin needs JetPack 6.0+ (L4T R36)"
     assert choice.profile.name == "generic-arm64"
     assert choice.reasons[0] == f"refused jetson-orin: {refusal}"
     assert choice.rejected["jetson-orin"] == refusal
@@ -150,12 +152,17 @@ def test_intel_mac_fits_no_profile(tmp_path: Path, profiles: Profiles) -> None:
 
 
 def test_xeon_is_detected_and_avx512_is_noted(tmp_path: Path, profiles: Profiles) -> None:
-    root = fake_root(tmp_path, {
-        "/proc/cpuinfo": x86_cpuinfo("Intel(R) Xeon(R) Platinum 8380 CPU @ 2.30GHz", XEON_FLAGS, 4),
-        "/proc/meminfo": meminfo(256_000),
-        "/dev/nvidia0": "",
-        "/proc/driver/nvidia/version": "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15\n",
-    })
+    root = fake_root(
+        tmp_path,
+        {
+            "/proc/cpuinfo": x86_cpuinfo(
+                "Intel(R) Xeon(R) Platinum 8380 CPU @ 2.30GHz", XEON_FLAGS, 4
+            ),
+            "/proc/meminfo": meminfo(256_000),
+            "/dev/nvidia0": "",
+            "/proc/driver/nvidia/version": "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15\n",
+        },
+    )
     facts = detect(root, machine="x86_64")
     assert facts.gpu_hints == (
         "/dev/nvidia0 (NVIDIA GPU device node)",
@@ -171,12 +178,15 @@ def test_xeon_is_detected_and_avx512_is_noted(tmp_path: Path, profiles: Profiles
 
 
 def test_amd_epyc_is_generic_x86_64(tmp_path: Path, profiles: Profiles) -> None:
-    root = fake_root(tmp_path, {"/proc/cpuinfo": x86_cpuinfo(
-        "AMD EPYC 7763 64-Core Processor", "fpu sse2 avx avx2", 2)})
+    root = fake_root(
+        tmp_path,
+        {"/proc/cpuinfo": x86_cpuinfo("AMD EPYC 7763 64-Core Processor", "fpu sse2 avx avx2", 2)},
+    )
     choice = select_profile(detect(root, machine="x86_64"), profiles)
     assert choice.profile.name == "generic-x86_64"
     assert choice.rejected["intel-xeon"] == (
-        "cpu model 'AMD EPYC 7763 64-Core Processor' does not contain 'Xeon'")
+        "cpu model 'AMD EPYC 7763 64-Core Processor' does not contain 'Xeon'"
+    )
 
 
 def test_plain_arm64_server_is_generic_arm64(tmp_path: Path, profiles: Profiles) -> None:
@@ -191,11 +201,15 @@ def test_plain_arm64_server_is_generic_arm64(tmp_path: Path, profiles: Profiles)
 
 
 def test_raspberry_pi_via_device_tree(tmp_path: Path, profiles: Profiles) -> None:
-    root = fake_root(tmp_path, {
-        "/proc/device-tree/model": b"Raspberry Pi 4 Model B Rev 1.4\x00",
-        "/proc/cpuinfo": arm_cpuinfo("0xd08", 4, "Hardware\t: BCM2835\n"
-                                               "Model\t\t: Raspberry Pi 4 Model B Rev 1.4\n"),
-    })
+    root = fake_root(
+        tmp_path,
+        {
+            "/proc/device-tree/model": b"Raspberry Pi 4 Model B Rev 1.4\x00",
+            "/proc/cpuinfo": arm_cpuinfo(
+                "0xd08", 4, "Hardware\t: BCM2835\nModel\t\t: Raspberry Pi 4 Model B Rev 1.4\n"
+            ),
+        },
+    )
     facts = detect(root)
     assert facts.device_tree_model == "Raspberry Pi 4 Model B Rev 1.4"
     assert facts.cpu_model == "ARM Cortex-A72"
@@ -220,8 +234,10 @@ def test_override_that_does_not_match_says_so(tmp_path: Path, profiles: Profiles
     facts = detect(orin_root(tmp_path, XAVIER_ERA_RELEASE))
     choice = select_profile(facts, profiles, override="jetson-orin")
     assert choice.profile.name == "jetson-orin" and choice.detected == "generic-arm64"
-    assert "its rules do NOT match this box (JetPack 5 / L4T R35 is not supported" in (
-        choice.reasons[0])
+    assert (
+        "its rules do NOT match this box (JetPack 5 / L4T R35 is not supported"
+        in (choice.reasons[0])
+    )
     assert "auto-detection would pick generic-arm64" in choice.reasons
 
 
@@ -230,15 +246,20 @@ def test_unknown_override_lists_the_valid_names(tmp_path: Path, profiles: Profil
         select_profile(detect(tmp_path), profiles, override="jetson-nano")
     assert info.value.valid == sorted(profiles)
     assert "unknown profile 'jetson-nano'; valid profiles: apple-silicon, generic-arm64" in str(
-        info.value)
+        info.value
+    )
 
 
 # ----------------------------------------------------------------------------- robustness, JSON
 
 
 def test_facts_are_json_and_round_trip(tmp_path: Path) -> None:
-    facts = collect_facts(orin_root(tmp_path), system="Linux", machine="aarch64",
-                          packages={"onnxruntime-gpu": "1.18.0", "tflite-runtime": "2.14.0"})
+    facts = collect_facts(
+        orin_root(tmp_path),
+        system="Linux",
+        machine="aarch64",
+        packages={"onnxruntime-gpu": "1.18.0", "tflite-runtime": "2.14.0"},
+    )
     assert facts.packages == {"onnxruntime-gpu": "1.18.0", "tflite-runtime": "2.14.0"}
     wire = json.loads(json.dumps(facts.to_dict()))
     assert wire["cpu_flags"] == sorted(facts.cpu_flags)
@@ -249,12 +270,15 @@ def test_facts_are_json_and_round_trip(tmp_path: Path) -> None:
 def test_garbage_binary_and_huge_files_do_not_crash(tmp_path: Path, profiles: Profiles) -> None:
     rng = random.Random(7)
     huge = "flags\t\t: avx2 " + "x" * 100 + "\n" + "junk line\n" * (READ_CAP_BYTES // 5)
-    root = fake_root(tmp_path, {
-        "/proc/cpuinfo": huge + "model name\t: Intel Xeon past the cap\n",
-        "/proc/meminfo": rng.randbytes(50_000),
-        "/etc/nv_tegra_release": "# R" + "9" * 5000 + " (release), REVISION: 1.0\n",
-        "/proc/device-tree/model/not-a-file": "",
-    })
+    root = fake_root(
+        tmp_path,
+        {
+            "/proc/cpuinfo": huge + "model name\t: Intel Xeon past the cap\n",
+            "/proc/meminfo": rng.randbytes(50_000),
+            "/etc/nv_tegra_release": "# R" + "9" * 5000 + " (release), REVISION: 1.0\n",
+            "/proc/device-tree/model/not-a-file": "",
+        },
+    )
     facts = detect(root, machine="x86_64")
     assert "avx2" in facts.cpu_flags
     assert facts.cpu_model is None  # it sits beyond READ_CAP_BYTES: reads stay bounded
@@ -266,10 +290,13 @@ def test_garbage_binary_and_huge_files_do_not_crash(tmp_path: Path, profiles: Pr
 def test_facts_from_hostile_files_stay_small_enough_to_enroll(tmp_path: Path) -> None:
     flood = "\u00e9" * 200 + " " + " ".join(f"flag{i}" for i in range(5000))
     snowmen = "\u2603" * 5000
-    root = fake_root(tmp_path, {
-        "/proc/cpuinfo": f"model name\t: {snowmen}\nflags\t: {flood}\n",
-        "/proc/device-tree/model": b"\x01\x02" + "\u00e9".encode() * 3000,
-    })
+    root = fake_root(
+        tmp_path,
+        {
+            "/proc/cpuinfo": f"model name\t: {snowmen}\nflags\t: {flood}\n",
+            "/proc/device-tree/model": b"\x01\x02" + "\u00e9".encode() * 3000,
+        },
+    )
     facts = detect(root)
     assert len(json.dumps(facts.to_dict())) < 16 * 1024  # EnrollmentRequest allows 32 KiB
     assert facts.cpu_model == "\u2603" * MAX_TEXT_CHARS and len(facts.cpu_flags) == MAX_FLAGS
@@ -305,8 +332,9 @@ def test_the_real_host_gives_facts() -> None:
 
 
 def doctor(root: Path, *args: str, system: str = "Linux", machine: str = "aarch64") -> Result:
-    return CliRunner().invoke(agent_main, [
-        "doctor", "--root", str(root), "--system", system, "--machine", machine, *args])
+    return CliRunner().invoke(
+        agent_main, ["doctor", "--root", str(root), "--system", system, "--machine", machine, *args]
+    )
 
 
 def test_doctor_human_output_on_a_jetson(tmp_path: Path) -> None:
@@ -329,7 +357,8 @@ def test_doctor_json_on_a_jetpack_5_jetson(tmp_path: Path) -> None:
     report = json.loads(result.output)
     assert report["profile"] == "generic-arm64"
     assert report["reasons"][0].startswith(
-        "refused jetson-orin: JetPack 5 / L4T R35 is not supported")
+        "refused jetson-orin: JetPack 5 / L4T R35 is not supported"
+    )
     assert report["facts"]["l4t_release"] == 35
     assert report["onnx_order"] == ["CPUExecutionProvider"]
     assert set(report["available"]) >= {"onnxruntime", "tflite"}
@@ -342,10 +371,15 @@ def test_doctor_apple_silicon_with_coreml(tmp_path: Path) -> None:
     assert report["profile"] == "apple-silicon"
     assert report["onnx_order"] == ["CoreMLExecutionProvider", "CPUExecutionProvider"]
     coreml = [b for b in report["backends"] if b["provider"] == "CoreMLExecutionProvider"]
-    assert coreml == [{"name": "onnxruntime", "provider": "CoreMLExecutionProvider",
-                       "opt_in": True, "flag": "coreml",
-                       "offered_here": "CoreMLExecutionProvider" in
-                       onnxruntime.get_available_providers()}]
+    assert coreml == [
+        {
+            "name": "onnxruntime",
+            "provider": "CoreMLExecutionProvider",
+            "opt_in": True,
+            "flag": "coreml",
+            "offered_here": "CoreMLExecutionProvider" in onnxruntime.get_available_providers(),
+        }
+    ]
 
 
 def test_doctor_marks_openvino_opt_in_on_xeon(tmp_path: Path) -> None:

@@ -43,8 +43,11 @@ def test_one_line_per_interval_then_a_count_of_those_left_out(
         clock.now += 59.0
         log.exception("Error handling request from %s", "192.0.2.7", exc_info=_too_long())
         clock.now += 1.0
-        log.exception("Error handling request from %s", "192.0.2.8",
-                      exc_info=BadHttpMessage("Too many headers received"))
+        log.exception(
+            "Error handling request from %s",
+            "192.0.2.8",
+            exc_info=BadHttpMessage("Too many headers received"),
+        )
 
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [
@@ -66,8 +69,11 @@ def test_other_records_pass_unchanged(
         except RuntimeError:
             log.exception("Unhandled exception")
         # aiohttp logs non-HTTP bytes on a fresh connection at DEBUG: left as it is.
-        log.debug("Error handling request from %s", "192.0.2.9",
-                  exc_info=BadHttpMessage("Invalid method encountered"))
+        log.debug(
+            "Error handling request from %s",
+            "192.0.2.9",
+            exc_info=BadHttpMessage("Invalid method encountered"),
+        )
 
     bug, probe = caplog.records
     assert bug.levelno == logging.ERROR and bug.exc_info is not None

@@ -10,7 +10,11 @@ from mcp_edge.shared.profiles import ProfileError, load_profiles, parse_profile
 def test_shipped_profiles_load_and_keep_their_promises() -> None:
     profiles = load_profiles()
     assert set(profiles) == {
-        "jetson-orin", "apple-silicon", "intel-xeon", "generic-x86_64", "generic-arm64",
+        "jetson-orin",
+        "apple-silicon",
+        "intel-xeon",
+        "generic-x86_64",
+        "generic-arm64",
         "raspberry-pi",
     }
     orin = [b.provider for b in profiles["jetson-orin"].runtime.backends]
@@ -63,7 +67,10 @@ tags = ["x"]
 def test_a_minimal_profile_gets_the_documented_defaults() -> None:
     p = parse_profile(_GOOD, "box.toml")
     assert (p.name, p.priority, p.runtime.inter_op_threads, p.runtime.allow_spinning) == (
-        "box", 0, 1, True
+        "box",
+        0,
+        1,
+        True,
     )
     assert p.runtime.intra_op_threads == 2 and p.runtime.memory_budget_fraction == 1.0
     assert p.runtime.backends[0].options == {"a": 1} and p.runtime.backends[0].opt_in is False
@@ -76,19 +83,37 @@ def test_a_minimal_profile_gets_the_documented_defaults() -> None:
     [
         ('name = "box"', 'name = "bad name!"', r"name: invalid identifier"),
         ('description = "a box"', 'description = "a box"\ncolour = "red"', r"colour: unknown key"),
-        ("intra_op_threads = 2", "intra_op_threads = -1", r"runtime\.intra_op_threads: must be >= 0"),
-        ("intra_op_threads = 2", 'intra_op_threads = "2"', r"runtime\.intra_op_threads: must be an integer"),
-        ("intra_op_threads = 2", "intra_op_threads = true", r"runtime\.intra_op_threads: must be an integer"),
-        ("memory_budget_fraction = 1", "memory_budget_fraction = 0",
-         r"runtime\.memory_budget_fraction: must be > 0"),
-        ("memory_budget_fraction = 1", "memory_budget_fraction = 1.5",
-         r"runtime\.memory_budget_fraction: must be <= 1"),
+        (
+            "intra_op_threads = 2",
+            "intra_op_threads = -1",
+            r"runtime\.intra_op_threads: must be >= 0",
+        ),
+        (
+            "intra_op_threads = 2",
+            'intra_op_threads = "2"',
+            r"runtime\.intra_op_threads: must be an integer",
+        ),
+        (
+            "intra_op_threads = 2",
+            "intra_op_threads = true",
+            r"runtime\.intra_op_threads: must be an integer",
+        ),
+        (
+            "memory_budget_fraction = 1",
+            "memory_budget_fraction = 0",
+            r"runtime\.memory_budget_fraction: must be > 0",
+        ),
+        (
+            "memory_budget_fraction = 1",
+            "memory_budget_fraction = 1.5",
+            r"runtime\.memory_budget_fraction: must be <= 1",
+        ),
         ('name = "onnxruntime"', 'name = "tensorflow"', r"runtime\.backends\.0\.name: must match"),
-        ('options = { a = 1 }', "options = 3", r"runtime\.backends\.0\.options: must be a table"),
+        ("options = { a = 1 }", "options = 3", r"runtime\.backends\.0\.options: must be a table"),
         ('tags = ["x"]', "tags = []", r"variants\.tags: needs at least 1"),
         ('arch = ["x86_64"]', "arch = [1]", r"detect\.arch\.0: must be a string"),
         ('arch = ["x86_64"]', 'arch = "x86_64"', r"detect\.arch: must be a list"),
-        ("[variants]\ntags = [\"x\"]", "", r"variants: missing"),
+        ('[variants]\ntags = ["x"]', "", r"variants: missing"),
     ],
 )
 def test_each_schema_rule_refuses_with_where_and_why(old: str, new: str, message: str) -> None:

@@ -46,8 +46,15 @@ def test_a_request_without_options_is_routed_at_normal_priority(names: OptionNam
 
 @TRANSPORTS
 def test_every_option_is_read_under_its_transport_name(names: OptionNames) -> None:
-    opts = parse(names, {names.version: "2", names.request_key: "user-7",
-                         names.priority: "High", names.timeout_ms: "250"})
+    opts = parse(
+        names,
+        {
+            names.version: "2",
+            names.request_key: "user-7",
+            names.priority: "High",
+            names.timeout_ms: "250",
+        },
+    )
     assert opts == RequestOptions("2", "user-7", Priority.HIGH, 0.25)
 
 
@@ -101,22 +108,50 @@ def test_any_timeout_text_is_a_deadline_in_range_or_a_bad_request(raw: str) -> N
 @pytest.mark.parametrize(
     ("error", "code", "message", "retry_after_s"),
     [
-        (MessageError("inputs: field required"), ErrorCode.BAD_REQUEST,
-         "inputs: field required", None),
-        (InputError("input 'x' expects FP32"), ErrorCode.BAD_REQUEST,
-         "input 'x' expects FP32", None),
+        (
+            MessageError("inputs: field required"),
+            ErrorCode.BAD_REQUEST,
+            "inputs: field required",
+            None,
+        ),
+        (
+            InputError("input 'x' expects FP32"),
+            ErrorCode.BAD_REQUEST,
+            "input 'x' expects FP32",
+            None,
+        ),
         (PreprocessError("needs 64 values"), ErrorCode.BAD_REQUEST, "needs 64 values", None),
-        (ModelNotFoundError("model 'x' is not loaded"), ErrorCode.NOT_FOUND,
-         "model 'x' is not loaded", None),
-        (OverloadedError("1024 waiting", 0.5), ErrorCode.OVERLOADED,
-         "overloaded: 1024 waiting", 0.5),
+        (
+            ModelNotFoundError("model 'x' is not loaded"),
+            ErrorCode.NOT_FOUND,
+            "model 'x' is not loaded",
+            None,
+        ),
+        (
+            OverloadedError("1024 waiting", 0.5),
+            ErrorCode.OVERLOADED,
+            "overloaded: 1024 waiting",
+            0.5,
+        ),
         (DeadlineExceededError("30 ms"), ErrorCode.TIMEOUT, "timed out: 30 ms", None),
-        (BatcherClosedError("digits 1 was unloaded"), ErrorCode.UNAVAILABLE,
-         "digits 1 was unloaded", None),
-        (InferenceError("backend fault"), ErrorCode.INTERNAL,
-         "inference failed: backend fault", None),
-        (RequestError(ErrorCode.TOO_LARGE, "reply too large"), ErrorCode.TOO_LARGE,
-         "reply too large", None),
+        (
+            BatcherClosedError("digits 1 was unloaded"),
+            ErrorCode.UNAVAILABLE,
+            "digits 1 was unloaded",
+            None,
+        ),
+        (
+            InferenceError("backend fault"),
+            ErrorCode.INTERNAL,
+            "inference failed: backend fault",
+            None,
+        ),
+        (
+            RequestError(ErrorCode.TOO_LARGE, "reply too large"),
+            ErrorCode.TOO_LARGE,
+            "reply too large",
+            None,
+        ),
     ],
 )
 def test_each_failure_gets_its_code_and_message(

@@ -186,8 +186,10 @@ def _decode(encoded: bytes) -> tuple[int, int]:
 def _add(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
     (x1, y1), (x2, y2) = a, b
     t = _D * x1 * x2 * y1 * y2 % _P
-    return ((x1 * y2 + y1 * x2) * pow(1 + t, -1, _P) % _P,
-            (y1 * y2 + x1 * x2) * pow(1 - t, -1, _P) % _P)
+    return (
+        (x1 * y2 + y1 * x2) * pow(1 + t, -1, _P) % _P,
+        (y1 * y2 + x1 * x2) * pow(1 - t, -1, _P) % _P,
+    )
 
 
 @pytest.mark.parametrize("hexkey", SMALL_ORDER_KEYS)

@@ -100,8 +100,10 @@ def upgrade() -> None:
         _time("accepted_at", nullable=True),
         _time("revoked_at", nullable=True),
         sa.ForeignKeyConstraint(
-            ["enrollment_token_id"], ["enrollment_tokens.id"],
-            name=op.f("fk_devices_enrollment_token_id_enrollment_tokens"), ondelete="SET NULL",
+            ["enrollment_token_id"],
+            ["enrollment_tokens.id"],
+            name=op.f("fk_devices_enrollment_token_id_enrollment_tokens"),
+            ondelete="SET NULL",
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_devices")),
         sa.UniqueConstraint("public_key", name=op.f("uq_devices_public_key")),
@@ -115,7 +117,9 @@ def upgrade() -> None:
         sa.Column("key", sa.String(63), nullable=False),
         sa.Column("value", sa.String(128), nullable=False),
         sa.ForeignKeyConstraint(
-            ["device_id"], ["devices.id"], name=op.f("fk_device_labels_device_id_devices"),
+            ["device_id"],
+            ["devices.id"],
+            name=op.f("fk_device_labels_device_id_devices"),
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("device_id", "key", name=op.f("pk_device_labels")),
@@ -138,7 +142,12 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     for table in (
-        "audit_log", "device_labels", "devices", "enrollment_nonces", "enrollment_tokens",
-        "api_tokens", "users",
+        "audit_log",
+        "device_labels",
+        "devices",
+        "enrollment_nonces",
+        "enrollment_tokens",
+        "api_tokens",
+        "users",
     ):
         op.drop_table(table)

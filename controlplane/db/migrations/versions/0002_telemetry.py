@@ -38,7 +38,9 @@ def _device(table: str) -> tuple[sa.Column[Any], sa.ForeignKeyConstraint]:
     return (
         sa.Column("device_id", sa.String(64), nullable=False),
         sa.ForeignKeyConstraint(
-            ["device_id"], ["devices.id"], name=op.f(f"fk_{table}_device_id_devices"),
+            ["device_id"],
+            ["devices.id"],
+            name=op.f(f"fk_{table}_device_id_devices"),
             ondelete="CASCADE",
         ),
     )

@@ -57,7 +57,9 @@ def upgrade() -> None:
         sa.Column("uploaded_by", sa.String(128), nullable=False),
         _time("created_at"),
         sa.ForeignKeyConstraint(
-            ["model"], ["models.name"], name=op.f("fk_model_versions_model_models"),
+            ["model"],
+            ["models.name"],
+            name=op.f("fk_model_versions_model_models"),
             ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_model_versions")),

@@ -34,7 +34,9 @@ def _device(table: str) -> tuple[sa.Column[Any], sa.ForeignKeyConstraint]:
     return (
         sa.Column("device_id", sa.String(64), nullable=False),
         sa.ForeignKeyConstraint(
-            ["device_id"], ["devices.id"], name=op.f(f"fk_{table}_device_id_devices"),
+            ["device_id"],
+            ["devices.id"],
+            name=op.f(f"fk_{table}_device_id_devices"),
             ondelete="CASCADE",
         ),
     )
@@ -74,8 +76,10 @@ def upgrade() -> None:
         sa.Column("deployment_id", BIG_ID, nullable=True),
         _time("updated_at"),
         sa.ForeignKeyConstraint(
-            ["deployment_id"], ["deployments.id"],
-            name=op.f("fk_device_models_deployment_id_deployments"), ondelete="SET NULL",
+            ["deployment_id"],
+            ["deployments.id"],
+            name=op.f("fk_device_models_deployment_id_deployments"),
+            ondelete="SET NULL",
         ),
         sa.PrimaryKeyConstraint("device_id", "model", name=op.f("pk_device_models")),
     )
