@@ -49,7 +49,6 @@ from mcp_edge.controlplane.api.common import (
     ApiError,
     Endpoint,
     Services,
-    TrustSource,
     error_middleware,
     error_response,
     json_response,
@@ -71,7 +70,7 @@ from mcp_edge.controlplane.db import (
 from mcp_edge.controlplane.db import devices as device_q
 from mcp_edge.controlplane.db import telemetry as telemetry_q
 from mcp_edge.controlplane.deployments import DeploymentService
-from mcp_edge.controlplane.enrollment_service import EnrollmentService
+from mcp_edge.controlplane.enrollment_service import EnrollmentService, TrustSource
 from mcp_edge.controlplane.httplog import server_logging
 from mcp_edge.controlplane.ingest import IngestConnection, IngestService
 from mcp_edge.controlplane.metrics import CONTENT_TYPE, ControlPlaneMetrics

@@ -112,6 +112,7 @@ def _fast_feeds(
     for t in inputs:
         if type(t) is not dict or not t.keys() <= _TENSOR_KEYS:
             return None
+        # ``name`` is a str from here on (checked inline: no cast call on the hot path).
         name = t.get("name")
         entry = plan.get(name) if type(name) is str else None
         if entry is None or name in feeds:
@@ -136,14 +137,18 @@ def _fast_feeds(
             from mcp_edge.shared.protocol.inference import InferTensor
 
             tensor = InferTensor.model_construct(
-                name=name, shape=shape, datatype=spec.datatype, parameters=tparams, data=data
+                name=name,  # type: ignore[arg-type]
+                shape=shape,
+                datatype=spec.datatype,
+                parameters=tparams,
+                data=data,
             )
-            feeds[name] = tensor.to_numpy()
+            feeds[name] = tensor.to_numpy()  # type: ignore[index]
             continue
         arr = _floats(data, count, limit)
         if arr is None:
             return None
-        feeds[name] = arr.astype(dtype, copy=False).reshape(shape)
+        feeds[name] = arr.astype(dtype, copy=False).reshape(shape)  # type: ignore[index]
     return rid, feeds
 
 
