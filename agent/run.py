@@ -93,6 +93,8 @@ def fleet_attachment(
         from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
         from mcp_edge.agent.fleet.spool import Spool
         from mcp_edge.agent.fleet.telemetry import HealthCollector
+        from mcp_edge.agent.update.transport_mqtt import MqttRepoTransport
+        from mcp_edge.shared.mqtt import MqttClient
 
         assert answer.broker is not None
         config = FleetConfig(
@@ -109,6 +111,10 @@ def fleet_attachment(
         )
         from mcp_edge.agent.update.updater import UpdateAgent
 
+        # One client for the session and the repository over MQTT: agent.fleet and
+        # agent.update do not import each other; they meet here.
+        mqtt = MqttClient(config.mqtt_settings())
+        mqtt_repo = None if transport is not None else MqttRepoTransport(mqtt, answer.device_id)
         spool = Spool(state_dir / "spool.sqlite3")
         health = HealthCollector(sources=profile.telemetry.sources, disk_path=state_dir)
         updates: list[UpdateAgent] = []
@@ -123,13 +129,21 @@ def fleet_attachment(
                 await session.sync_models()
 
         async with FleetSession(
-            config, spool=spool, manager=manager, health=health,
-            metrics=FleetMetrics(manager.metrics.registry), desired_handler=on_desired,
+            config,
+            spool=spool,
+            manager=manager,
+            health=health,
+            metrics=FleetMetrics(manager.metrics.registry),
+            desired_handler=on_desired,
             state_provider=lambda: updates[0].reported_state(),
+            mqtt=mqtt,
+            repo=mqtt_repo,
         ) as session:
+            repo = transport if transport is not None else mqtt_repo
+            assert repo is not None
             update = UpdateAgent(
-                state_dir, answer.device_id, profile, manager,
-                transport or session.repo_transport, trust[0], events=session, tuf_root=trust[1],
+                state_dir, answer.device_id, profile, manager, repo, trust[0], events=session,
+                tuf_root=trust[1],
             )  # fmt: skip
             updates.append(update)
             await update.resume()
@@ -157,33 +171,77 @@ def _trust(state_dir: Path, trust: TrustRoot | None) -> tuple[list[PublicKey], b
 
 
 @click.command("run")
-@click.option("--model-path", default=None, type=click.Path(exists=True, path_type=Path),
-              help="Also serve this model file (.onnx, .tflite, .mcpb) or directory of them, "
-                   "beside the models the control plane deploys.")
-@click.option("--repo", "repo_url", default=None, metavar="URL",
-              help="Fetch model updates from this TUF repository (file:///media/usb/repo, "
-                   "https://cdn/repo) instead of over MQTT from the control plane.")
+@click.option(
+    "--model-path",
+    default=None,
+    type=click.Path(exists=True, path_type=Path),
+    help="Also serve this model file (.onnx, .tflite, .mcpb) or directory of them, "
+    "beside the models the control plane deploys.",
+)
+@click.option(
+    "--repo",
+    "repo_url",
+    default=None,
+    metavar="URL",
+    help="Fetch model updates from this TUF repository (file:///media/usb/repo, "
+    "https://cdn/repo) instead of over MQTT from the control plane.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Local HTTP address.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64))
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where `mcp-agent enroll` stored the identity (default: /var/lib/mcp-agent).")
-@click.option("--trust-key", "trust_keys", multiple=True,
-              type=click.Path(exists=True, path_type=Path), help="Publisher public key.")
-@click.option("--health-interval", default=30.0, show_default=True,
-              type=click.FloatRange(1, 86_400), help="Seconds between health samples.")
-@click.option("--stats-interval", default=60.0, show_default=True,
-              type=click.FloatRange(1, 86_400), help="Seconds between inference statistics.")
-@click.option("--max-reply-mb", default=None, type=click.FloatRange(0.001, 32),
-              help="Largest inference answer sent over MQTT, in MiB (default 4: "
-                   "InferResponse.DEFAULT_MQTT_REPLY_BYTES); a bigger one becomes a too_large "
-                   "error reply. Application clients accept 4 MiB unless told more.")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["debug", "info", "warning", "error"]))
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where `mcp-agent enroll` stored the identity (default: /var/lib/mcp-agent).",
+)
+@click.option(
+    "--trust-key",
+    "trust_keys",
+    multiple=True,
+    type=click.Path(exists=True, path_type=Path),
+    help="Publisher public key.",
+)
+@click.option(
+    "--health-interval",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(1, 86_400),
+    help="Seconds between health samples.",
+)
+@click.option(
+    "--stats-interval",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(1, 86_400),
+    help="Seconds between inference statistics.",
+)
+@click.option(
+    "--max-reply-mb",
+    default=None,
+    type=click.FloatRange(0.001, 32),
+    help="Largest inference answer sent over MQTT, in MiB (default 4: "
+    "InferResponse.DEFAULT_MQTT_REPLY_BYTES); a bigger one becomes a too_large "
+    "error reply. Application clients accept 4 MiB unless told more.",
+)
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["debug", "info", "warning", "error"]),
+)
 def run_command(
-    model_path: Path | None, host: str, port: int, workers: int, state_dir: Path | None,
-    trust_keys: tuple[Path, ...], health_interval: float, stats_interval: float, log_level: str,
-    repo_url: str | None, max_reply_mb: float | None,
+    model_path: Path | None,
+    host: str,
+    port: int,
+    workers: int,
+    state_dir: Path | None,
+    trust_keys: tuple[Path, ...],
+    health_interval: float,
+    stats_interval: float,
+    log_level: str,
+    repo_url: str | None,
+    max_reply_mb: float | None,
 ) -> None:
     """Run enrolled: serve models locally and keep the fleet session to the broker.
 
@@ -205,7 +263,9 @@ def run_command(
     state = state_dir or default_state_dir()
     try:
         attach = fleet_attachment(
-            state, health_interval_s=health_interval, inference_interval_s=stats_interval,
+            state,
+            health_interval_s=health_interval,
+            inference_interval_s=stats_interval,
             repo_url=repo_url,
             max_reply_bytes=None if max_reply_mb is None else int(max_reply_mb * 1024 * 1024),
         )
@@ -213,7 +273,11 @@ def run_command(
     except (McpError, ValueError) as e:
         raise click.ClickException(str(e)) from e
     config = ServeConfig(
-        model_path=model_path, host=host, port=port, workers=workers, trusted_keys=keys,
+        model_path=model_path,
+        host=host,
+        port=port,
+        workers=workers,
+        trusted_keys=keys,
         state_dir=state,
     )
     run_until_stopped(config, attach)

@@ -10,7 +10,7 @@ Each role runs as its own process, prints ``READY`` on stdout once its broker se
   :class:`agent.runtime.manager.ModelManager` serving one ONNX model, built as ``mcp-agent run``
   builds them (hardware profile, default batching, uvloop).
 * ``rtt``: closed-loop request/response client (one request in flight) using
-  :class:`agent.fleet.client.InferenceClient` ``infer_raw`` with pre-encoded bytes; the same
+  :class:`mcp_edge.client.InferenceClient` ``infer_raw`` with pre-encoded bytes; the same
   client for the echo responder and the agent.
 * ``publish``: raw paho publisher of health samples, as fast as the in-flight window allows.
 * ``subscribe``: raw paho subscriber on the ingest filter (shared subscription, QoS 1), counts.
@@ -186,7 +186,7 @@ def role_agent(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------- rtt client
 async def _rtt_main(args: argparse.Namespace) -> dict[str, Any]:
-    from mcp_edge.agent.fleet.client import InferenceClient
+    from mcp_edge.client import InferenceClient
 
     body = Path(args.body_file).read_bytes()
     lat: list[int] = []

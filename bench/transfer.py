@@ -48,9 +48,9 @@ for _p in (str(BENCH_DIR), str(REPO_ROOT)):
 import orjson  # noqa: E402
 from _transfer_roles import CONNECT_TIMEOUT_S, HOST, paho_client  # noqa: E402
 
-from mcp_edge.agent.fleet.mqtt import MqttClient, MqttSettings, Subscription  # noqa: E402
 from mcp_edge.agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig  # noqa: E402
 from mcp_edge.controlplane.repository.tuf_repo import KeyStore, TufRepository  # noqa: E402
+from mcp_edge.shared.mqtt import MqttClient, MqttSettings, Subscription  # noqa: E402
 from mcp_edge.shared.protocol import topics  # noqa: E402
 from mcp_edge.tooling.mosquitto import MosquittoBroker  # noqa: E402
 
@@ -66,7 +66,8 @@ def server(role: str, port: int, *extra: str) -> Iterator[None]:
     """Run a ``_transfer_roles.py`` role until the block ends."""
     proc = subprocess.Popen(
         [sys.executable, str(BENCH_DIR / "_transfer_roles.py"), role, "--port", str(port), *extra],
-        stdout=subprocess.PIPE, cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        cwd=REPO_ROOT,
     )
     try:
         assert proc.stdout is not None
@@ -106,8 +107,12 @@ def raw_transfer(port: int, path: str, size: int, dest: Path) -> float:
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         props.ResponseTopic = reply_topic
         props.CorrelationData = offset.to_bytes(8, "big")
-        c.publish(request_topic, orjson.dumps({"path": path, "offset": offset, "length": CHUNK}),
-                  qos=QOS, properties=props)
+        c.publish(
+            request_topic,
+            orjson.dumps({"path": path, "offset": offset, "length": CHUNK}),
+            qos=QOS,
+            properties=props,
+        )
 
     def on_message(c: Any, _u: Any, msg: Any) -> None:
         offset = int.from_bytes(msg.properties.CorrelationData, "big")
@@ -143,8 +148,11 @@ class Device:
     """The agent's MQTT client and repository transport, on this process's event loop."""
 
     def __init__(self, port: int, config: MqttTransportConfig) -> None:
-        self.mqtt = MqttClient(MqttSettings(host=HOST, port=port, client_id=DEVICE,
-                                            clean_start=True, max_packet_bytes=16 << 20))
+        self.mqtt = MqttClient(
+            MqttSettings(
+                host=HOST, port=port, client_id=DEVICE, clean_start=True, max_packet_bytes=16 << 20
+            )
+        )
         self.transport = MqttRepoTransport(self.mqtt, DEVICE, config)
         self.mqtt.set_handler(self.transport.handle_reply)
 
@@ -158,8 +166,13 @@ def _updater(repo: TufRepository, transport: MqttRepoTransport, tmp: Path) -> An
 
     metadata = tmp / f"device-metadata-{time.monotonic_ns()}"
     metadata.mkdir()
-    return Updater(str(metadata), transport.metadata_url, target_base_url=transport.targets_url,
-                   fetcher=transport.fetcher(), bootstrap=repo.root_bytes())
+    return Updater(
+        str(metadata),
+        transport.metadata_url,
+        target_base_url=transport.targets_url,
+        fetcher=transport.fetcher(),
+        bootstrap=repo.root_bytes(),
+    )
 
 
 def _target_url(transport: MqttRepoTransport, info: Any) -> str:
@@ -169,6 +182,7 @@ def _target_url(transport: MqttRepoTransport, info: Any) -> str:
 
 async def mcp_transfer(device: Device, repo: TufRepository, tmp: Path) -> dict[str, float]:
     """One refresh + download + verify; seconds per phase."""
+
     def run() -> dict[str, float]:
         t0 = time.perf_counter()
         updater = _updater(repo, device.transport, tmp)
@@ -214,8 +228,13 @@ async def resume_transfer(device: Device, repo: TufRepository, tmp: Path) -> dic
     while True:
         calls += 1
         try:
-            await asyncio.to_thread(device.transport.download, _target_url(device.transport, info),
-                                    dest, length=info.length, progress=progress)
+            await asyncio.to_thread(
+                device.transport.download,
+                _target_url(device.transport, info),
+                dest,
+                length=info.length,
+                progress=progress,
+            )
             break
         except Exception as e:  # a failed call is retried: that is the resume under test
             if calls >= 5:
@@ -226,9 +245,14 @@ async def resume_transfer(device: Device, repo: TufRepository, tmp: Path) -> dic
     chunks = -(-info.length // CHUNK)
     sent = device.transport.requests_sent - before
     return {
-        "dropped_at_bytes": dropped_at[0], "download_calls": calls, "chunk_requests": sent,
-        "chunks": chunks, "rerequested_chunks": sent - chunks, "window": WINDOW,
-        "within_one_window": sent - chunks <= WINDOW, "seconds": round(seconds, 3),
+        "dropped_at_bytes": dropped_at[0],
+        "download_calls": calls,
+        "chunk_requests": sent,
+        "chunks": chunks,
+        "rerequested_chunks": sent - chunks,
+        "window": WINDOW,
+        "within_one_window": sent - chunks <= WINDOW,
+        "seconds": round(seconds, 3),
         "verified": True,
     }
 
@@ -249,8 +273,10 @@ async def bench(args: argparse.Namespace, tmp: Path, port: int) -> dict[str, Any
     path = str(stored.relative_to(repo.dir))
 
     with server("raw-server", port, "--file", str(stored)):
-        raw = [await asyncio.to_thread(raw_transfer, port, path, size, tmp / "raw.mcpb")
-               for _ in range(runs)]
+        raw = [
+            await asyncio.to_thread(raw_transfer, port, path, size, tmp / "raw.mcpb")
+            for _ in range(runs)
+        ]
     config = MqttTransportConfig(window=WINDOW, chunk_bytes=CHUNK, qos=QOS)
     with server("cp-server", port, "--repo", str(repo.dir)):
         device = Device(port, config)
@@ -271,8 +297,11 @@ async def bench(args: argparse.Namespace, tmp: Path, port: int) -> dict[str, Any
         "chunk_bytes": CHUNK,
         "qos": QOS,
         "runs": runs,
-        "raw_paho": {"mb_s": raw_mb_s, "seconds": round(best_raw, 3),
-                     "all_seconds": [round(s, 3) for s in raw]},
+        "raw_paho": {
+            "mb_s": raw_mb_s,
+            "seconds": round(best_raw, 3),
+            "all_seconds": [round(s, 3) for s in raw],
+        },
         "mcp": {
             "download_mb_s": download_mb_s,
             "end_to_end_mb_s": _mb_s(size, sum(best.values())),
@@ -284,8 +313,11 @@ async def bench(args: argparse.Namespace, tmp: Path, port: int) -> dict[str, Any
         "download_only_ratio": round(download_mb_s / raw_mb_s, 3),
         "goal_ratio": 0.5,
         "resume": resume,
-        "env": {"python": platform.python_version(), "machine": platform.machine(),
-                "cpus": os.cpu_count()},
+        "env": {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+        },
     }
 
 

@@ -158,9 +158,12 @@ class _Batch:
     def then(self, later: _Batch) -> _Batch:
         """This batch followed by ``later`` (order kept; the later status/report wins)."""
         return _Batch(
-            health=self.health + later.health, inference=self.inference + later.inference,
-            events=self.events + later.events, reported={**self.reported, **later.reported},
-            status={**self.status, **later.status}, messages=self.messages + later.messages,
+            health=self.health + later.health,
+            inference=self.inference + later.inference,
+            events=self.events + later.events,
+            reported={**self.reported, **later.reported},
+            status={**self.status, **later.status},
+            messages=self.messages + later.messages,
         )
 
 
@@ -180,8 +183,13 @@ class _LogLimiter:
             return
         self._last[reason] = now
         more = self._suppressed.pop(reason, 0)
-        log.warning("ingest: dropped a message on %.120s (%s): %.200s%s", topic, reason.value,
-                    detail, f" [{more} more since the last line]" if more else "")
+        log.warning(
+            "ingest: dropped a message on %.120s (%s): %.200s%s",
+            topic,
+            reason.value,
+            detail,
+            f" [{more} more since the last line]" if more else "",
+        )
 
 
 class IngestService:
@@ -228,14 +236,16 @@ class IngestService:
     async def start(self, connection: IngestConnection) -> None:
         """Subscribe at the broker and start the flush and retention tasks.
 
-        Raises :class:`controlplane.mqtt.MqttError` when the broker cannot be used.
+        Raises :class:`mcp_edge.shared.mqtt.MqttError` when the broker cannot be used.
         """
         self._tasks = [
             asyncio.create_task(self._flush_loop(), name="ingest-flush"),
             asyncio.create_task(self._retention_loop(), name="ingest-retention"),
         ]
         subscriber = MqttSubscriber(
-            connection.address, connection.credentials, subscriptions(self._share_group),
+            connection.address,
+            connection.credentials,
+            subscriptions(self._share_group),
             self.handle,
         )
         try:
@@ -244,8 +254,11 @@ class IngestService:
             await self._stop_tasks()
             raise
         self._subscriber = subscriber
-        log.info("ingesting device telemetry from %s as %s", subscriber.where,
-                 connection.credentials.username)
+        log.info(
+            "ingesting device telemetry from %s as %s",
+            subscriber.where,
+            connection.credentials.username,
+        )
 
     @property
     def session(self) -> MqttSubscriber | None:
@@ -305,8 +318,9 @@ class IngestService:
         if cls is None:
             raise _Dropped(DropReason.BAD_TOPIC, f"no ingestion for {parsed.channel.value}")
         if len(payload) > cls.MAX_BYTES:
-            raise _Dropped(DropReason.TOO_LARGE,
-                           f"{len(payload)} bytes exceed the {cls.MAX_BYTES}-byte limit")
+            raise _Dropped(
+                DropReason.TOO_LARGE, f"{len(payload)} bytes exceed the {cls.MAX_BYTES}-byte limit"
+            )
         if len(batch) >= self._max_backlog:
             raise _Dropped(DropReason.BACKLOG_FULL, f"{len(batch)} messages wait for the database")
         try:
@@ -318,44 +332,70 @@ class IngestService:
     def _rows(self, batch: _Batch, message: Any) -> str:
         """Append the rows of a valid message to ``batch``; return its kind."""
         if isinstance(message, HealthSample):
-            batch.health.append({
-                "device_id": message.device_id, "ts": _utc(message.ts),
-                "cpu_percent": message.cpu_percent, "load_1m": message.load_1m,
-                "mem_used_mb": message.mem_used_mb, "mem_total_mb": message.mem_total_mb,
-                "disk_free_mb": message.disk_free_mb, "disk_total_mb": message.disk_total_mb,
-                "process_rss_mb": message.process_rss_mb, "uptime_s": message.uptime_s,
-                "temperatures_c": dict(message.temperatures_c),
-                "gpu": message.gpu.model_dump(exclude_none=True) if message.gpu else None,
-            })
+            batch.health.append(
+                {
+                    "device_id": message.device_id,
+                    "ts": _utc(message.ts),
+                    "cpu_percent": message.cpu_percent,
+                    "load_1m": message.load_1m,
+                    "mem_used_mb": message.mem_used_mb,
+                    "mem_total_mb": message.mem_total_mb,
+                    "disk_free_mb": message.disk_free_mb,
+                    "disk_total_mb": message.disk_total_mb,
+                    "process_rss_mb": message.process_rss_mb,
+                    "uptime_s": message.uptime_s,
+                    "temperatures_c": dict(message.temperatures_c),
+                    "gpu": message.gpu.model_dump(exclude_none=True) if message.gpu else None,
+                }
+            )
             return "health"
         if isinstance(message, InferenceStats):
             ts = _utc(message.ts)
             for m in message.models:
-                batch.inference.append({
-                    "device_id": message.device_id, "ts": ts, "window_s": message.window_s,
-                    "model": m.model, "version": m.version, "count": m.count,
-                    "errors": m.errors, "rejections": m.rejections,
-                    "p50_ms": m.latency.p50_ms if m.latency else None,
-                    "p95_ms": m.latency.p95_ms if m.latency else None,
-                    "p99_ms": m.latency.p99_ms if m.latency else None,
-                    "queue_depth": m.queue_depth, "batch_size_avg": m.batch_size_avg,
-                    "batch_fill_ratio": m.batch_fill_ratio,
-                })
+                batch.inference.append(
+                    {
+                        "device_id": message.device_id,
+                        "ts": ts,
+                        "window_s": message.window_s,
+                        "model": m.model,
+                        "version": m.version,
+                        "count": m.count,
+                        "errors": m.errors,
+                        "rejections": m.rejections,
+                        "p50_ms": m.latency.p50_ms if m.latency else None,
+                        "p95_ms": m.latency.p95_ms if m.latency else None,
+                        "p99_ms": m.latency.p99_ms if m.latency else None,
+                        "queue_depth": m.queue_depth,
+                        "batch_size_avg": m.batch_size_avg,
+                        "batch_fill_ratio": m.batch_fill_ratio,
+                    }
+                )
             return "inference"
         if isinstance(message, DeploymentEvent):
-            batch.events.append({
-                "device_id": message.device_id, "event_seq": message.event_seq,
-                "ts": _utc(message.ts), "received_at": self._clock(), "model": message.model,
-                "version": message.version, "phase": message.phase.value,
-                "outcome": message.outcome.value, "message": message.message,
-                "cause": message.cause, "bytes_done": message.bytes_done,
-                "bytes_total": message.bytes_total, "elapsed_ms": message.elapsed_ms,
-            })
+            batch.events.append(
+                {
+                    "device_id": message.device_id,
+                    "event_seq": message.event_seq,
+                    "ts": _utc(message.ts),
+                    "received_at": self._clock(),
+                    "model": message.model,
+                    "version": message.version,
+                    "phase": message.phase.value,
+                    "outcome": message.outcome.value,
+                    "message": message.message,
+                    "cause": message.cause,
+                    "bytes_done": message.bytes_done,
+                    "bytes_total": message.bytes_total,
+                    "elapsed_ms": message.elapsed_ms,
+                }
+            )
             return "events"
         if isinstance(message, ReportedState):
             batch.reported[message.device_id] = {
-                "device_id": message.device_id, "ts": _utc(message.ts),
-                "received_at": self._clock(), "applied_seq": message.applied_seq,
+                "device_id": message.device_id,
+                "ts": _utc(message.ts),
+                "received_at": self._clock(),
+                "applied_seq": message.applied_seq,
                 "document": message.model_dump(mode="json"),
             }
             return "reported"
@@ -391,8 +431,11 @@ class IngestService:
                 async with self._db.transaction() as tx:
                     known = await q.accepted_among(tx, batch.device_ids())
                     for device_id, _kind in batch.keep_only(known):
-                        self._drop(DropReason.UNKNOWN_DEVICE, topics.device_subtree(device_id),
-                                   f"device {device_id!r} is not an accepted device")
+                        self._drop(
+                            DropReason.UNKNOWN_DEVICE,
+                            topics.device_subtree(device_id),
+                            f"device {device_id!r} is not an accepted device",
+                        )
                     await q.insert_health(tx, batch.health)
                     await q.insert_inference(tx, batch.inference)
                     await q.insert_events(tx, batch.events)
@@ -430,7 +473,9 @@ class IngestService:
         """
         async with self._db.transaction() as tx:
             return await q.expire_telemetry(
-                tx, now or self._clock(), retention=self._retention,
+                tx,
+                now or self._clock(),
+                retention=self._retention,
                 downsample_after=self._downsample_after,
             )
 
@@ -441,6 +486,7 @@ class IngestService:
                 if expired or thinned:
                     log.info("retention: %d health samples expired, %d thinned", expired, thinned)
             except DatabaseError as e:
-                log.warning("retention failed, retried in %.0f s: %s",
-                            self._retention_interval_s, e)
+                log.warning(
+                    "retention failed, retried in %.0f s: %s", self._retention_interval_s, e
+                )
             await asyncio.sleep(self._retention_interval_s)

@@ -39,7 +39,7 @@ def _load_data(text: str) -> Any:
 def request_body(data: Any, input_name: str, datatype: str) -> bytes:
     """Raises click.BadParameter for data that is neither a request body nor numbers."""
     # Imported here: `mcp-agent serve` registers this command and must not load paho.
-    from mcp_edge.agent.fleet.client import build_request
+    from mcp_edge.client import build_request
 
     if isinstance(data, dict):
         if "inputs" not in data:
@@ -135,13 +135,13 @@ def infer_command(
     cafile: str | None,
 ) -> None:
     """Send one inference request over MQTT and print the reply."""
-    from mcp_edge.agent.fleet.client import (
+    from mcp_edge.client import (
         InferenceClient,
         InferenceClientError,
         InferenceReplyError,
         parse_reply,
     )
-    from mcp_edge.agent.fleet.mqtt import parse_host_port
+    from mcp_edge.shared.mqtt import parse_host_port
 
     try:
         host, port = parse_host_port(broker, 8883 if tls else 1883)

@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from mcp_edge.agent.fleet.metrics import FleetMetrics
-from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
 from mcp_edge.shared.errors import (
     ExpiredError,
     MalformedSignatureError,
@@ -33,6 +32,7 @@ from mcp_edge.shared.errors import (
     SigningError,
     TopicError,
 )
+from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttError
 from mcp_edge.shared.protocol import (
     CommandName,
     CommandReply,

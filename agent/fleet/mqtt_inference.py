@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcp_edge.agent.fleet.metrics import FleetMetrics
-from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
 from mcp_edge.agent.fleet.telemetry import InferenceStatsCollector, Outcome
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager
 from mcp_edge.agent.runtime.runner import Array
@@ -47,6 +46,7 @@ from mcp_edge.agent.serving.requests import (
 )
 from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
 from mcp_edge.shared.errors import MessageError, TopicError
+from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttError
 from mcp_edge.shared.protocol import (
     ErrorCode,
     ErrorReply,

@@ -20,8 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from mcp_edge.agent.fleet.metrics import FleetMetrics
-from mcp_edge.agent.fleet.mqtt import MqttClient, MqttError, MqttRefusedError
 from mcp_edge.agent.fleet.spool import Spool, SpoolError, SpoolItem, SpoolKind
+from mcp_edge.shared.mqtt import MqttClient, MqttError, MqttRefusedError
 
 log = logging.getLogger("mcp.agent.fleet")
 T = TypeVar("T")

@@ -7,8 +7,8 @@ What it does (DESIGN 4.2, 4.6, 4.7):
 - Subscribes to its ``desired`` and ``cmd`` topics, its ``infer/+`` topics and the fleet's
   shared ``infer/{model}`` subscription for each model it serves; after every (re)connect the
   subscriptions are restored first, then the retained ``online`` birth is published.
-- Reconnects with exponential backoff and full jitter (:class:`agent.fleet.mqtt.Backoff`); the
-  backoff resets once a connection has stayed up ``stable_after_s``.
+- Reconnects through :class:`mcp_edge.shared.mqtt.Session` with ``FleetConfig.reconnect``
+  (exponential backoff, full jitter; reset once a connection has stayed up ``stable_after_s``).
 - Sends a health sample every ``health_interval_s`` and inference statistics every
   ``inference_interval_s``. Everything that goes upstream (telemetry, deployment events, the
   reported state) is written to the on-disk :class:`agent.fleet.spool.Spool` first and published
@@ -16,7 +16,9 @@ What it does (DESIGN 4.2, 4.6, 4.7):
   fills (dropping the oldest health samples first when full, never events) and drains after
   the reconnect.
 - Answers ``cmd`` (``ping``, ``report_state``, plus handlers passed in) and inference requests
-  (:mod:`agent.fleet.mqtt_inference`); hands verified-by-the-caller desired states to a handler.
+  (:mod:`agent.fleet.mqtt_inference`); hands verified-by-the-caller desired states to a handler
+  and repository replies to the :class:`RepoReplies` given (the MQTT repository transport,
+  which whoever wires the agent builds on this session's client: :mod:`agent.run`).
 - Every inbound message is untrusted: a malformed, wrongly shaped or oversized one is counted
   (:class:`agent.fleet.metrics.FleetMetrics`), logged in one line and dropped; nothing a peer
   sends stops the session.
@@ -27,26 +29,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from mcp_edge.agent import __version__
 from mcp_edge.agent.fleet.control import CommandHandler, ControlChannel, DesiredHandler
 from mcp_edge.agent.fleet.metrics import FleetMetrics
-from mcp_edge.agent.fleet.mqtt import (
-    Backoff,
-    InboundMessage,
-    MqttClient,
-    MqttConnectError,
-    MqttError,
-    MqttRefusedError,
-    MqttSettings,
-    Subscription,
-    Will,
-)
 from mcp_edge.agent.fleet.mqtt_inference import (
     DEFAULT_MAX_REPLY_BYTES,
     MqttInference,
@@ -57,9 +49,20 @@ from mcp_edge.agent.fleet.outbox import Outbox
 from mcp_edge.agent.fleet.spool import Spool, SpoolKind
 from mcp_edge.agent.fleet.telemetry import HealthCollector, InferenceStatsCollector
 from mcp_edge.agent.runtime.manager import ModelManager
-from mcp_edge.agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
-from mcp_edge.shared.errors import (
-    TopicError,
+from mcp_edge.shared.errors import TopicError
+from mcp_edge.shared.mqtt import (
+    RETAIN_DO_NOT_SEND,
+    ConnectResult,
+    InboundMessage,
+    MqttClient,
+    MqttConnectError,
+    MqttError,
+    MqttRefusedError,
+    MqttSettings,
+    ReconnectPolicy,
+    Session,
+    Subscription,
+    Will,
 )
 from mcp_edge.shared.protocol import (
     CommandName,
@@ -75,9 +78,24 @@ from mcp_edge.shared.protocol import (
 
 log = logging.getLogger("mcp.agent.fleet")
 
-_NO_RETAINED = 2  # MQTT 5 retain handling: do not send retained messages
+_NO_RETAINED = RETAIN_DO_NOT_SEND
 ONLINE = b"online"
 OFFLINE = b"offline"
+AGENT_RECONNECT = ReconnectPolicy(
+    first_delay_s=0.5, max_delay_s=60.0, jitter=1.0, stable_after_s=30.0
+)
+"""A device reconnects after 0-0.5 s, doubling to 0-60 s (full jitter: a fleet that lost its
+broker does not come back in one wave); the count resets after 30 s up."""
+
+
+class RepoReplies(Protocol):
+    """Takes the replies on the device's ``repo/reply`` topic (the MQTT repository transport)."""
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Use ``loop``, the one the session's client runs on."""
+
+    def handle_reply(self, msg: InboundMessage) -> None:
+        """Called on the loop inside the read for each reply; must not block or raise."""
 
 
 @dataclass(frozen=True)
@@ -96,9 +114,7 @@ class FleetConfig:
     session_expiry_s: int = 900
     health_interval_s: float = 30.0
     inference_interval_s: float = 60.0
-    backoff_initial_s: float = 0.5
-    backoff_max_s: float = 60.0
-    stable_after_s: float = 30.0
+    reconnect: ReconnectPolicy = AGENT_RECONNECT
     share_group: str = "agents"
     max_infer_bytes: int = 8 * 1024 * 1024
     """Largest inference request body answered over MQTT (bytes); bigger ones get too_large."""
@@ -145,11 +161,14 @@ class FleetSession:
         command_handlers: Mapping[CommandName, CommandHandler] | None = None,
         metrics: FleetMetrics | None = None,
         mqtt: MqttClient | None = None,
-        backoff: Backoff | None = None,
+        repo: RepoReplies | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
-        repo_config: MqttTransportConfig | None = None,
     ) -> None:
+        """``mqtt`` defaults to a client on ``config.mqtt_settings()``; ``repo`` gets the
+        repository replies (built on the same client). ``sleep`` waits between connection
+        attempts and ``rng`` draws their jitter (tests pass their own)."""
         self.config = config
         self.device_id = topics.validate_id(config.device_id, "device id")
         self.spool = spool
@@ -158,8 +177,12 @@ class FleetSession:
         self.stats = stats or InferenceStatsCollector()
         self.metrics = metrics or FleetMetrics()
         self.mqtt = mqtt or MqttClient(config.mqtt_settings())
-        self.backoff = backoff or Backoff(config.backoff_initial_s, config.backoff_max_s)
-        self._sleep = sleep
+        self.link = Session(
+            self.mqtt, name="fleet", policy=config.reconnect, rng=rng, sleep=sleep,
+            on_up=self._came_online, on_down=self._went_offline, on_failed=self._connect_failed,
+            require_subscriptions=False,
+        )  # fmt: skip
+        """Keeps the connection up (reconnects with ``config.reconnect``)."""
         self._clock = clock
         self._state_provider = state_provider
         builtin: dict[CommandName, CommandHandler] = {CommandName.PING: self._ping}
@@ -184,8 +207,8 @@ class FleetSession:
             if manager is not None
             else None
         )
-        self.repo_transport = MqttRepoTransport(self.mqtt, self.device_id, repo_config)
-        """The repository over this session (replies on ``repo/reply`` are routed to it)."""
+        self.repo = repo
+        """Where replies on ``repo/reply`` go (None: not subscribed)."""
         self.online = asyncio.Event()
         """Set while connected with subscriptions restored and the birth message sent."""
         self.outbox = Outbox(
@@ -213,9 +236,10 @@ class FleetSession:
         subs = [
             Subscription(t.desired(self.device_id)),
             Subscription(t.command(self.device_id), retain_handling=_NO_RETAINED),
-            Subscription(t.repo_reply(self.device_id), retain_handling=_NO_RETAINED),
         ]
-        self.repo_transport.bind(asyncio.get_running_loop())
+        if self.repo is not None:
+            self.repo.bind(asyncio.get_running_loop())
+            subs.append(Subscription(t.repo_reply(self.device_id), retain_handling=_NO_RETAINED))
         if self.inference is not None:
             subs.append(
                 Subscription(device_infer_filter(self.device_id), retain_handling=_NO_RETAINED)
@@ -224,9 +248,9 @@ class FleetSession:
         await self.mqtt.subscribe(*subs)
         await self.sync_models()
         await self.health.start()
+        await self.link.start(wait=False)
         loop = asyncio.get_running_loop()
         for coro, name in (
-            (self._connection_loop(), "fleet-connection"),
             (self.outbox.run(), "fleet-drain"),
             (self._health_loop(), "fleet-health"),
             (self._stats_loop(), "fleet-stats"),
@@ -238,6 +262,7 @@ class FleetSession:
         if self._closing:
             return
         self._closing = True
+        await self.link.stop_reconnecting()
         keep = {"fleet-drain"}
         await _cancel([t for t in self._tasks if t.get_name() not in keep])
         if self.mqtt.connected:
@@ -255,7 +280,7 @@ class FleetSession:
         await _cancel(list(self._handlers))
         self.online.clear()
         self.metrics.connected.set(0)
-        await self.mqtt.close()
+        await self.link.close()
         await self.health.close()
         await self.outbox.close()
 
@@ -271,45 +296,30 @@ class FleetSession:
         await asyncio.wait_for(self.online.wait(), timeout_s)
 
     # ------------------------------------------------------------------ connection
-    async def _connection_loop(self) -> None:
-        while not self._closing:
-            up_since: float | None = None
-            try:
-                result = await self.mqtt.connect()
-                up_since = time.monotonic()
-                self.connections += 1
-                self.metrics.connects.labels("ok").inc()
-                await self.mqtt.publish(topics.status(self.device_id), ONLINE, 1, True)
-                self.online.set()
-                self.metrics.connected.set(1)
-                log.info(
-                    "online as %s at %s:%s (session %s)",
-                    self.device_id,
-                    self.config.host,
-                    self.config.port,
-                    "resumed" if result.session_present else "new",
-                )
-                self.outbox.wake()
-                why = await self.mqtt.wait_disconnected()
-                log.warning("connection to %s:%s lost: %s", self.config.host, self.config.port, why)
-            except MqttConnectError as e:
-                self.metrics.connects.labels("failed").inc()
-                level = logging.ERROR if e.auth_refused else logging.INFO
-                log.log(level, "cannot connect (attempt %d): %s", self.backoff.attempt + 1, e)
-            except MqttError as e:
-                log.warning("connection failed while coming online: %s", e)
-                await self.mqtt.disconnect()
-            except Exception:
-                log.exception("unexpected error in the MQTT session; reconnecting")
-                await self.mqtt.disconnect()
-            finally:
-                self.online.clear()
-                self.metrics.connected.set(0)
-            if self._closing:
-                return
-            if up_since is not None and time.monotonic() - up_since >= self.config.stable_after_s:
-                self.backoff.reset()
-            await self._sleep(self.backoff.next_delay())
+    async def _came_online(self, result: ConnectResult) -> None:
+        """Subscriptions are back: publish the retained birth, then drain the spool."""
+        self.connections += 1
+        self.metrics.connects.labels("ok").inc()
+        await self.mqtt.publish(topics.status(self.device_id), ONLINE, 1, True)
+        self.online.set()
+        self.metrics.connected.set(1)
+        log.info(
+            "online as %s at %s:%s (session %s)",
+            self.device_id,
+            self.config.host,
+            self.config.port,
+            "resumed" if result.session_present else "new",
+        )
+        self.outbox.wake()
+
+    def _went_offline(self, _why: str) -> None:
+        self.online.clear()
+        self.metrics.connected.set(0)
+
+    def _connect_failed(self, e: MqttError) -> None:
+        if isinstance(e, MqttConnectError):
+            self.metrics.connects.labels("failed").inc()
+        self._went_offline(str(e))
 
     # ------------------------------------------------------------------ models
     async def sync_models(self) -> None:
@@ -448,8 +458,8 @@ class FleetSession:
             if ch is topics.Channel.COMMAND:
                 self._spawn(self.control.on_command(msg))
                 return
-            if ch is topics.Channel.REPO_REPLY:
-                self.repo_transport.handle_reply(msg)
+            if ch is topics.Channel.REPO_REPLY and self.repo is not None:
+                self.repo.handle_reply(msg)
                 return
         self.metrics.drop("unknown", "topic", "no handler for this topic", msg.topic)
 

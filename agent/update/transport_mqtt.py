@@ -54,9 +54,9 @@ from tuf.api.exceptions import (
 )
 from tuf.ngclient.fetcher import FetcherInterface
 
-from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttError
 from mcp_edge.agent.update.transport import Progress, open_partial
 from mcp_edge.shared.errors import MessageError
+from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttError
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.repo import (
     MAX_CHUNK_BYTES,
@@ -162,8 +162,7 @@ class MqttRepoTransport:
         deadline = time.monotonic() + self.config.total_timeout_s
         fd, start = open_partial(dest, length)
         try:
-            future = self._run_on_loop(
-                self._download(fd, path, start, length, deadline, progress))
+            future = self._run_on_loop(self._download(fd, path, start, length, deadline, progress))
         except BaseException:
             os.close(fd)
             raise
@@ -185,8 +184,15 @@ class MqttRepoTransport:
 
     # ---- downloads run on the event loop ---------------------------------------------------
 
-    async def _download(self, fd: int, path: str, start: int, length: int, deadline: float,
-                        progress: Progress | None) -> int:
+    async def _download(
+        self,
+        fd: int,
+        path: str,
+        start: int,
+        length: int,
+        deadline: float,
+        progress: Progress | None,
+    ) -> int:
         """Keep ``window`` chunk requests in flight and write each reply at its offset.
 
         Runs on the event loop, so a chunk costs no thread hand-over: the reply's bytes are
@@ -213,8 +219,10 @@ class MqttRepoTransport:
                 size = self._check_ok(reply, data, path, offset, n, length)
                 if size < start:
                     os.ftruncate(fd, 0)
-                    raise DownloadError(f"the partial download is longer than {path} "
-                                        f"({size} bytes); it was discarded")
+                    raise DownloadError(
+                        f"the partial download is longer than {path} "
+                        f"({size} bytes); it was discarded"
+                    )
                 end = min(end, size)
                 if offset >= end:
                     continue
@@ -238,28 +246,34 @@ class MqttRepoTransport:
                 raise SlowRetrievalError(f"{path}: {e}") from None
             raise DownloadError(f"{path}: {e}") from None
 
-    def _check_ok(self, reply: RepoReply, data: bytes, path: str, offset: int, asked: int,
-                  length: int) -> int:
+    def _check_ok(
+        self, reply: RepoReply, data: bytes, path: str, offset: int, asked: int, length: int
+    ) -> int:
         """Check one reply to ``(path, offset, asked)``; return the file's size."""
         if reply.status is RepoStatus.NOT_FOUND:
             raise DownloadHTTPError(f"{path}: not found ({reply.error})", 404)
         if reply.status is not RepoStatus.OK:
-            raise DownloadError(f"{path}: the repository answered {reply.status.value}: "
-                                f"{reply.error or 'no reason given'}")
+            raise DownloadError(
+                f"{path}: the repository answered {reply.status.value}: "
+                f"{reply.error or 'no reason given'}"
+            )
         size = reply.size
         assert size is not None
         if size > length:
             raise DownloadLengthMismatchError(
-                f"{path} is {size} bytes, more than the {length} bytes allowed")
+                f"{path} is {size} bytes, more than the {length} bytes allowed"
+            )
         if reply.offset != offset:
             raise DownloadError(f"{path}: reply for offset {reply.offset}, asked {offset}")
         expected = max(0, min(asked, size - offset))
         if len(data) > expected:
             raise DownloadLengthMismatchError(
-                f"{path}: {len(data)} bytes at offset {offset}, expected {expected}")
+                f"{path}: {len(data)} bytes at offset {offset}, expected {expected}"
+            )
         if len(data) < expected:
             raise DownloadError(
-                f"{path}: short reply of {len(data)} bytes at offset {offset}, expected {expected}")
+                f"{path}: short reply of {len(data)} bytes at offset {offset}, expected {expected}"
+            )
         return size
 
     def _submit(self, path: str, offset: int, n: int) -> concurrent.futures.Future[_Reply]:
@@ -281,8 +295,7 @@ class MqttRepoTransport:
         return asyncio.run_coroutine_threadsafe(coro, loop)
 
     @staticmethod
-    def _result(future: concurrent.futures.Future[_Reply], deadline: float,
-                path: str) -> _Reply:
+    def _result(future: concurrent.futures.Future[_Reply], deadline: float, path: str) -> _Reply:
         remaining = deadline - time.monotonic()
         try:
             return future.result(timeout=max(0.0, remaining))
@@ -299,7 +312,7 @@ class MqttRepoTransport:
         if not url.startswith(BASE_URL):
             raise DownloadError(f"{url!r:.120} is not a URL of the MQTT repository transport")
         try:
-            return validate_repo_path(url[len(BASE_URL):])
+            return validate_repo_path(url[len(BASE_URL) :])
         except MessageError as e:
             raise DownloadError(str(e)) from None
 
@@ -319,13 +332,21 @@ class MqttRepoTransport:
                 return await self._ask(payload)
             except _Lost as e:
                 if attempt >= cfg.chunk_retries:
-                    raise _Lost(f"chunk at offset {offset}: {e} (after {attempt} retries)",
-                                timed_out=e.timed_out) from None
+                    raise _Lost(
+                        f"chunk at offset {offset}: {e} (after {attempt} retries)",
+                        timed_out=e.timed_out,
+                    ) from None
                 delay = min(cfg.backoff_max_s, cfg.backoff_initial_s * 2**attempt)
                 attempt += 1
                 self.retries += 1
-                log.info("repository chunk %s@%d: %s; retry %d in %.1f s", path, offset, e,
-                         attempt, delay)
+                log.info(
+                    "repository chunk %s@%d: %s; retry %d in %.1f s",
+                    path,
+                    offset,
+                    e,
+                    attempt,
+                    delay,
+                )
                 await asyncio.sleep(delay)
 
     async def _ask(self, payload: bytes) -> _Reply:
@@ -336,8 +357,11 @@ class MqttRepoTransport:
         try:
             try:
                 ack = self._mqtt.publish_nowait(
-                    self._request_topic, payload, self.config.qos,
-                    response_topic=self.reply_topic, correlation_data=correlation,
+                    self._request_topic,
+                    payload,
+                    self.config.qos,
+                    response_topic=self.reply_topic,
+                    correlation_data=correlation,
                 )
             except MqttError as e:
                 raise _Lost(f"not connected: {e}", timed_out=False) from None
@@ -347,8 +371,9 @@ class MqttRepoTransport:
             try:
                 return await asyncio.wait_for(reply, self.config.chunk_timeout_s)
             except asyncio.TimeoutError:
-                raise _Lost(f"no reply within {self.config.chunk_timeout_s} s",
-                            timed_out=True) from None
+                raise _Lost(
+                    f"no reply within {self.config.chunk_timeout_s} s", timed_out=True
+                ) from None
         finally:
             self._pending.pop(correlation, None)
 
@@ -357,7 +382,8 @@ class MqttRepoTransport:
         (their replies will never come), rather than after ``chunk_timeout_s``."""
         if (self._watcher is None or self._watcher.done()) and self._mqtt.connected:
             self._watcher = asyncio.get_running_loop().create_task(
-                self._fail_pending_on_loss(), name="repo-transport-watch")
+                self._fail_pending_on_loss(), name="repo-transport-watch"
+            )
 
     async def _fail_pending_on_loss(self) -> None:
         why = await self._mqtt.wait_disconnected()
@@ -426,4 +452,3 @@ class _MqttFetcher(FetcherInterface):
 
     def __repr__(self) -> str:
         return f"_MqttFetcher({self._transport.device_id!r})"
-

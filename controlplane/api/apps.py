@@ -1,5 +1,5 @@
 """Application MQTT accounts: what an application that sends inference requests over MQTT
-(``mcp-agent infer --mqtt``, :class:`agent.fleet.client.InferenceClient`) logs in with.
+(``mcp-agent infer --mqtt``, :class:`mcp_edge.client.InferenceClient`) logs in with.
 
     GET    /api/v1/apps                  viewer
     POST   /api/v1/apps                  operator: the answer holds the password, once
@@ -87,8 +87,11 @@ class AppClientList(Response):
 
 def app_out(app: AppClient) -> AppClientOut:
     return AppClientOut(
-        client_id=app.client_id, description=app.description, created_by=app.created_by,
-        created_at=app.created_at, revoked_at=app.revoked_at,
+        client_id=app.client_id,
+        description=app.description,
+        created_by=app.created_by,
+        created_at=app.created_at,
+        revoked_at=app.revoked_at,
         state="revoked" if app.revoked_at is not None else "active",
         reply_topic=topics.client_replies(app.client_id),
     )
@@ -109,8 +112,11 @@ async def create_app_client(request: web.Request) -> web.Response:
         async with svc.db.transaction() as tx:
             await _refuse_taken(tx, client_id)
             app = await q.create_app_client(
-                tx, client_id=client_id, description=body.description,
-                created_by=who.username, now=now,
+                tx,
+                client_id=client_id,
+                description=body.description,
+                created_by=who.username,
+                now=now,
             )
             try:
                 credentials = await svc.provisioner.provision_app_client(client_id)
@@ -121,7 +127,11 @@ async def create_app_client(request: web.Request) -> web.Response:
                 ) from e
             provisioned = True
             await audit_q.insert_entry(
-                tx, at=now, actor=who.actor, action=APP_CREATED, target_type="app_client",
+                tx,
+                at=now,
+                actor=who.actor,
+                action=APP_CREATED,
+                target_type="app_client",
                 target_id=client_id,
                 detail={"username": credentials.username, "description": body.description},
             )
@@ -129,11 +139,17 @@ async def create_app_client(request: web.Request) -> web.Response:
         if provisioned:
             await _delete_account(svc, client_id)
         raise
-    log.info("app client %s created by %s (broker account %s)", client_id, who.actor,
-             credentials.username)
+    log.info(
+        "app client %s created by %s (broker account %s)",
+        client_id,
+        who.actor,
+        credentials.username,
+    )
     created = AppClientCreated(
-        **app_out(app).model_dump(), username=credentials.username,
-        password=credentials.password, broker_urls=list(svc.settings.broker_urls),
+        **app_out(app).model_dump(),
+        username=credentials.username,
+        password=credentials.password,
+        broker_urls=list(svc.settings.broker_urls),
     )
     return json_response(created, 201)
 
@@ -152,7 +168,11 @@ async def revoke_app_client(request: web.Request) -> web.Response:
             await svc.provisioner.disable_app_client(client_id)
             app = await q.revoke_app_client(tx, client_id, now)
             await audit_q.insert_entry(
-                tx, at=now, actor=who.actor, action=APP_REVOKED, target_type="app_client",
+                tx,
+                at=now,
+                actor=who.actor,
+                action=APP_REVOKED,
+                target_type="app_client",
                 target_id=client_id,
             )
             log.info("app client %s revoked by %s", client_id, who.actor)
@@ -185,20 +205,46 @@ async def _delete_account(svc: Services, client_id: str) -> None:
     try:
         await svc.provisioner.delete_app_client(client_id)
     except BrokerAdminError as e:
-        log.warning("app client %s was not stored, and its broker account could not be "
-                    "deleted: %s", client_id, e)
+        log.warning(
+            "app client %s was not stored, and its broker account could not be deleted: %s",
+            client_id,
+            e,
+        )
 
 
 ENDPOINTS = [
-    Endpoint("GET", "/api/v1/apps", list_app_clients, "List application MQTT accounts",
-             Role.VIEWER, "apps", response=AppClientList),
-    Endpoint("POST", "/api/v1/apps", create_app_client,
-             "Create an application MQTT account (the password is in this answer only)",
-             Role.OPERATOR, "apps", body=AppClientCreate, response=AppClientCreated, status=201,
-             answers={409: "the client id is taken, or was used before",
-                      503: "database or broker unavailable; nothing changed, retry later"}),
-    Endpoint("DELETE", "/api/v1/apps/{client_id}", revoke_app_client,
-             "Revoke an application MQTT account: disabled at the broker, live session closed",
-             Role.OPERATOR, "apps", response=AppClientOut,
-             answers={503: "database or broker unavailable; nothing changed, retry later"}),
+    Endpoint(
+        "GET",
+        "/api/v1/apps",
+        list_app_clients,
+        "List application MQTT accounts",
+        Role.VIEWER,
+        "apps",
+        response=AppClientList,
+    ),
+    Endpoint(
+        "POST",
+        "/api/v1/apps",
+        create_app_client,
+        "Create an application MQTT account (the password is in this answer only)",
+        Role.OPERATOR,
+        "apps",
+        body=AppClientCreate,
+        response=AppClientCreated,
+        status=201,
+        answers={
+            409: "the client id is taken, or was used before",
+            503: "database or broker unavailable; nothing changed, retry later",
+        },
+    ),
+    Endpoint(
+        "DELETE",
+        "/api/v1/apps/{client_id}",
+        revoke_app_client,
+        "Revoke an application MQTT account: disabled at the broker, live session closed",
+        Role.OPERATOR,
+        "apps",
+        response=AppClientOut,
+        answers={503: "database or broker unavailable; nothing changed, retry later"},
+    ),
 ]

@@ -1,36 +1,31 @@
 """Broker accounts through Mosquitto's dynamic-security plugin, spoken over MQTT 5.
 
 :class:`DynsecProvisioner` implements :class:`~controlplane.broker.base.BrokerProvisioner` with
-one admin connection; paho's network loop runs in its thread and hands events to asyncio with
-``call_soon_threadsafe``. Each call publishes one batch of commands to ``$CONTROL/dynamic-
-security/v1``; Mosquitto runs a batch in one go and answers on ``.../response`` with one result
-per command, matched here by each command's ``correlationData``. The commands themselves are
-built by the pure :mod:`controlplane.broker.acl`.
+one admin session of the one MQTT adapter (:class:`mcp_edge.shared.mqtt.Session`: paho on the
+event loop, no paho thread; reconnected with :data:`controlplane.mqtt.CP_RECONNECT`). Each call
+publishes one batch of commands to ``$CONTROL/dynamic-security/v1``; Mosquitto runs a batch in
+one go and answers on ``.../response`` with one result per command, matched here, inside the
+read that brought the answer, by each command's ``correlationData``. The commands themselves
+are built by the pure :mod:`controlplane.broker.acl`.
 
-Every refusal, timeout, lost connection or paho error reaches the caller as
-:class:`~controlplane.broker.base.BrokerAdminError` (chained to the library's exception); an
-invalid id raises :class:`~shared.errors.TopicError` before anything is sent. A call that timed
-out may still be applied later; operations are idempotent, so a retry is safe. paho reconnects
-a dropped session in the background; calls made meanwhile fail at once.
+Every refusal, timeout, lost connection or MQTT error reaches the caller as
+:class:`~controlplane.broker.base.BrokerAdminError` (chained to the adapter's
+:class:`~mcp_edge.shared.mqtt.MqttError`); an invalid id raises
+:class:`~shared.errors.TopicError` before anything is sent. A call that timed out may still be
+applied later; operations are idempotent, so a retry is safe. A dropped session is reconnected
+in the background; calls waiting then fail at once, and calls made meanwhile too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import secrets
-import socket
 import ssl
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from socket import IPPROTO_TCP, TCP_NODELAY
 from typing import Any
-
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
-from paho.mqtt.reasoncodes import ReasonCode
 
 from mcp_edge.controlplane.broker.acl import (
     DEFAULT_FLEET_SHARE_GROUP,
@@ -47,7 +42,18 @@ from mcp_edge.controlplane.broker.acl import (
     usernames_bound_to,
 )
 from mcp_edge.controlplane.broker.base import AccountConflictError, BrokerAdminError, Credentials
-from mcp_edge.shared.netutil import close_with_reset, is_self_connected
+from mcp_edge.controlplane.mqtt import CP_RECONNECT
+from mcp_edge.shared.mqtt import (
+    RETAIN_DO_NOT_SEND,
+    InboundMessage,
+    MqttClient,
+    MqttConnectError,
+    MqttError,
+    MqttRefusedError,
+    MqttSettings,
+    Session,
+    Subscription,
+)
 
 COMMAND_TOPIC = "$CONTROL/dynamic-security/v1"
 RESPONSE_TOPIC = "$CONTROL/dynamic-security/v1/response"
@@ -88,32 +94,24 @@ class DynsecProvisioner:
         fleet_share_group: str = DEFAULT_FLEET_SHARE_GROUP,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        self._host = host
-        self._port = port
         self._where = f"{host}:{port}"
         self._admin_username = admin_username
         self._timeout_s = timeout_s
         self._share_group = fleet_share_group
         # Admin accounts are not bound to a client id; a random suffix lets replicas share one.
-        client_id = f"{client_id_prefix}-{secrets.token_hex(4)}"
-        self._client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5
+        # Commands carry new passwords: give ``ssl_context`` when the broker is off the host.
+        self._client = MqttClient(MqttSettings(
+            host=host, port=port, client_id=f"{client_id_prefix}-{secrets.token_hex(4)}",
+            username=admin_username, password=admin_password, keepalive_s=30,
+            clean_start=True, session_expiry_s=0, tls=ssl_context,
+            connect_timeout_s=timeout_s, ack_timeout_s=timeout_s,
+        ))  # fmt: skip
+        self._client.set_handler(self._on_message)
+        self._session = Session(
+            self._client, name="broker-admin", policy=CP_RECONNECT, on_down=self._connection_lost
         )
-        self._client.username_pw_set(admin_username, admin_password)
-        if ssl_context is not None:  # commands carry new passwords: use TLS off the host
-            self._client.tls_set_context(ssl_context)
-        self._client.connect_timeout = timeout_s
-        self._client.reconnect_delay_set(min_delay=1, max_delay=30)
-        self._client.on_socket_open = self._on_socket_open
-        self._client.on_connect = self._on_connect
-        self._client.on_subscribe = self._on_subscribe
-        self._client.on_disconnect = self._on_disconnect
-        self._client.on_message = self._on_message
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._started: asyncio.Future[None] | None = None
         self._batches: dict[str, _Batch] = {}
-        self._subscribe_mid: int | None = None
-        self._ready = asyncio.Event()  # admin session up and subscribed to the answers
+        self._started = False
         self._closed = False
 
     async def __aenter__(self) -> DynsecProvisioner:
@@ -129,65 +127,61 @@ class DynsecProvisioner:
         Raises BrokerAdminError: unreachable broker, refused login, not an admin account, no
         answer within ``timeout_s``, or started twice.
         """
-        if self._loop is not None:
+        if self._started:
             raise BrokerAdminError("this provisioner was already started")
-        self._loop = asyncio.get_running_loop()
-        self._started = self._loop.create_future()
+        self._started = True
+        await self._client.subscribe(
+            Subscription(RESPONSE_TOPIC, qos=1, retain_handling=RETAIN_DO_NOT_SEND)
+        )
         try:
-            await asyncio.to_thread(self._client.connect, self._host, self._port, 30)
-            sock = self._client.socket()
-            if sock is None or sock.fileno() < 0:  # reset by _on_socket_open: a self-connect
-                if self._started.done():  # paho's report of the dead socket, said better here
-                    self._started.exception()
-                raise ConnectionRefusedError("the socket connected to itself: nothing listens")
-            self._client.loop_start()
-            await asyncio.wait_for(self._started, self._timeout_s)
-        except asyncio.TimeoutError as e:  # before OSError: on 3.11+ it is one
+            await self._session.start(wait=True)
+        except MqttConnectError as e:
+            await self.close()
+            if e.reason_code is not None:
+                raise BrokerAdminError(
+                    f"the broker at {self._where} refused the admin login as "
+                    f"{self._admin_username!r}: {e.reason}"
+                ) from e
+            raise BrokerAdminError(str(e)) from e
+        except MqttRefusedError as e:
             await self.close()
             raise BrokerAdminError(
-                f"no connection and admin login to the broker at {self._where} within "
-                f"{self._timeout_s} s"
+                f"{self._admin_username!r} may not read {RESPONSE_TOPIC}: not an admin"
             ) from e
-        except (OSError, ValueError) as e:
+        except MqttError as e:
             await self.close()
-            raise BrokerAdminError(f"cannot connect to the broker at {self._where}: {e}") from e
+            raise BrokerAdminError(f"no admin session to the broker at {self._where}: {e}") from e
         except BaseException:
             await self.close()
             raise
 
     async def close(self) -> None:
-        """Disconnect and stop paho's thread; pending calls fail. Safe to call twice."""
+        """Disconnect and stop reconnecting; pending calls fail. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        self._ready.clear()
-        if self._started is not None and not self._started.done():
-            self._started.cancel()
-        self._client.disconnect()
-        await asyncio.to_thread(self._client.loop_stop)
+        await self._session.close()
         self._fail_all(BrokerAdminError("the broker provisioner was closed"))
 
     @property
     def connected(self) -> bool:
         """Whether the admin session is up and subscribed to the plugin's answers."""
-        return self._ready.is_set()
+        return self._session.up
 
     async def wait_connected(self, timeout_s: float) -> None:
-        """Wait until the admin session is up again (paho reconnects by itself).
+        """Wait until the admin session is up again (it reconnects by itself).
 
         Raises BrokerAdminError: not up within ``timeout_s`` seconds.
         """
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
-        except asyncio.TimeoutError as e:
+            await self._session.wait_up(timeout_s)
+        except MqttError as e:
             raise BrokerAdminError(f"no admin session to {self._where} within {timeout_s} s") from e
 
     @property
     def tcp_nodelay(self) -> bool:
         """Whether the live socket has Nagle's algorithm off (False when not connected)."""
-        sock = self._client.socket()
-        nodelay = isinstance(sock, socket.socket) and sock.getsockopt(IPPROTO_TCP, TCP_NODELAY)
-        return bool(nodelay)
+        return self._client.tcp_nodelay
 
     # ---- BrokerProvisioner: TopicError for an invalid id, BrokerAdminError otherwise ------
 
@@ -285,29 +279,26 @@ class DynsecProvisioner:
             BrokerAdminError: not connected, paho refused the publish, no complete answer
                 within ``timeout_s``, or an answer carries an error not in ``tolerate``.
         """
-        loop = self._loop
-        if loop is None or self._closed:
+        if not self._started or self._closed:
             raise BrokerAdminError("the broker provisioner is not started")
-        if not self._ready.is_set():
+        if not self._session.up:
             raise BrokerAdminError(f"not connected to the broker at {self._where}")
         batch_id = secrets.token_hex(8)
         tagged = [{**c, "correlationData": f"{batch_id}:{i}"} for i, c in enumerate(commands)]
-        batch = _Batch(loop.create_future(), len(tagged))
+        batch = _Batch(asyncio.get_running_loop().create_future(), len(tagged))
         self._batches[batch_id] = batch
         names = ", ".join(c["command"] for c in commands)
         try:
-            # QoS 0: the answer is the acknowledgement, and no command lingers in paho's queue
-            # to be replayed after a reconnect.
-            rc = self._client.publish(COMMAND_TOPIC, json.dumps({"commands": tagged})).rc
-            if rc != mqtt.MQTT_ERR_SUCCESS:
-                raise BrokerAdminError(f"cannot send dynsec {names}: {mqtt.error_string(rc)}")
+            # QoS 0: the answer is the acknowledgement, and no command lingers in a queue to be
+            # replayed after a reconnect.
+            self._client.send(COMMAND_TOPIC, json.dumps({"commands": tagged}).encode())
             answers = await asyncio.wait_for(batch.future, self._timeout_s)
         except asyncio.TimeoutError as e:
             raise BrokerAdminError(
                 f"the broker at {self._where} did not answer dynsec {names} within "
                 f"{self._timeout_s} s"
             ) from e
-        except ValueError as e:  # paho: payload or topic unusable
+        except MqttError as e:  # not connected, or the message cannot be sent
             raise BrokerAdminError(f"cannot send dynsec {names}: {e}") from e
         finally:
             self._batches.pop(batch_id, None)
@@ -318,88 +309,16 @@ class DynsecProvisioner:
                 raise BrokerAdminError(f"dynsec {command['command']} {subject} refused: {error}")
         return answers
 
-    # ---- paho callbacks (paho's thread) ----------------------------------------------------
+    # ---- the admin session (on the loop) -----------------------------------------------------
 
-    def _on_socket_open(self, _client: mqtt.Client, _userdata: Any, sock: Any) -> None:
-        if is_self_connected(sock):  # see shared.netutil; reset: no TIME_WAIT on the port
-            _log.warning("broker admin: the connection to %s came back to its own socket "
-                         "(nothing listens there); reset", self._where)
-            close_with_reset(sock)
-            return
-        # Nagle's algorithm delays small request/response packets by tens of ms (DESIGN §8).
-        if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(IPPROTO_TCP, TCP_NODELAY, 1)
-
-    def _on_connect(
-        self, client: mqtt.Client, _u: Any, _flags: Any, reason: ReasonCode, _p: Any
-    ) -> None:
-        if reason.is_failure:
-            self._post(
-                self._login_failed,
-                f"the broker at {self._where} refused the admin login as "
-                f"{self._admin_username!r}: {reason}",
-            )
-            return
-        rc, self._subscribe_mid = client.subscribe(RESPONSE_TOPIC, qos=1)
-        if rc != mqtt.MQTT_ERR_SUCCESS:
-            self._post(self._login_failed, f"cannot subscribe: {mqtt.error_string(rc)}")
-
-    def _on_subscribe(
-        self, _c: mqtt.Client, _u: Any, mid: int, reasons: list[ReasonCode], _p: Any
-    ) -> None:
-        if mid != self._subscribe_mid:
-            return
-        if reasons and not reasons[0].is_failure:
-            self._post(self._session_ready)
-        else:
-            who = self._admin_username
-            self._post(self._login_failed, f"{who!r} may not read {RESPONSE_TOPIC}: not an admin")
-
-    def _on_disconnect(
-        self, _c: mqtt.Client, _u: Any, _flags: Any, reason: ReasonCode, _p: Any
-    ) -> None:
-        self._post(self._connection_lost, str(reason))
-
-    def _on_message(self, _c: mqtt.Client, _u: Any, message: mqtt.MQTTMessage) -> None:
+    def _on_message(self, message: InboundMessage) -> None:
         if message.topic == RESPONSE_TOPIC:
-            self._post(self._take_answers, bytes(message.payload))
-
-    def _post(self, callback: Any, *args: Any) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed after the check
-            loop.call_soon_threadsafe(callback, *args)
-
-    # ---- state changes (asyncio's thread) --------------------------------------------------
-
-    def _session_ready(self) -> None:
-        if not self._closed:
-            self._ready.set()
-            self._settle_start(None, f"broker admin session to {self._where} restored")
-
-    def _login_failed(self, message: str) -> None:
-        if not self._closed:
-            self._ready.clear()
-            self._settle_start(BrokerAdminError(message), message)
+            self._take_answers(message.payload)
 
     def _connection_lost(self, reason: str) -> None:
-        if not self._closed:
-            self._ready.clear()
-            message = f"connection to the broker at {self._where} lost: {reason}"
-            self._settle_start(BrokerAdminError(message), message + "; reconnecting")
-            self._fail_all(BrokerAdminError(message))
-
-    def _settle_start(self, error: BrokerAdminError | None, log_message: str) -> None:
-        """Complete :meth:`start`'s wait, or log ``log_message`` after start-up."""
-        started = self._started
-        if started is not None and not started.done():
-            if error is None:
-                started.set_result(None)
-            else:
-                started.set_exception(error)
-        else:
-            _log.log(logging.INFO if error is None else logging.WARNING, "%s", log_message)
+        self._fail_all(
+            BrokerAdminError(f"connection to the broker at {self._where} lost: {reason}")
+        )
 
     def _fail_all(self, error: BrokerAdminError) -> None:
         for batch in self._batches.values():

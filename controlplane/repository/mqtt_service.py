@@ -35,8 +35,9 @@ from pydantic import ValidationError
 
 from mcp_edge.controlplane.broker.base import Credentials
 from mcp_edge.controlplane.metrics import ControlPlaneMetrics
-from mcp_edge.controlplane.mqtt import BrokerAddress, MqttError, MqttSubscriber, ReceivedMessage
+from mcp_edge.controlplane.mqtt import BrokerAddress, MqttSubscriber
 from mcp_edge.shared.errors import TopicError
+from mcp_edge.shared.mqtt import InboundMessage, MqttError
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.repo import RepoReply, RepoRequest, RepoStatus
 from mcp_edge.shared.protocol.topics import Channel
@@ -177,11 +178,15 @@ class RepoMqttService:
     async def start(self, connection: RepoConnection) -> None:
         """Subscribe at the broker and serve until :meth:`stop`.
 
-        Raises :class:`controlplane.mqtt.MqttError` when the broker cannot be used.
+        Raises :class:`mcp_edge.shared.mqtt.MqttError` when the broker cannot be used.
         """
         subscriber = MqttSubscriber(
-            connection.address, connection.credentials, [subscription(self._share_group)],
-            on_message=self.handle, name="repository", max_inflight=256,
+            connection.address,
+            connection.credentials,
+            [subscription(self._share_group)],
+            on_message=self.handle,
+            name="repository",
+            max_inflight=256,
         )
         self._subscriber = subscriber  # before start: requests may arrive as soon as it is granted
         try:
@@ -189,8 +194,12 @@ class RepoMqttService:
         except BaseException:
             self._subscriber = None
             raise
-        log.info("serving the repository %s over MQTT at %s as %s", self.files.root,
-                 subscriber.where, connection.credentials.username)
+        log.info(
+            "serving the repository %s over MQTT at %s as %s",
+            self.files.root,
+            subscriber.where,
+            connection.credentials.username,
+        )
 
     @property
     def session(self) -> MqttSubscriber | None:
@@ -206,7 +215,7 @@ class RepoMqttService:
 
     # ---- event-loop thread -------------------------------------------------------------------
 
-    def handle(self, message: ReceivedMessage) -> None:
+    def handle(self, message: InboundMessage) -> None:
         """Answer one request (or drop it, counted); never raises."""
         try:
             self._handle(message)
@@ -214,7 +223,7 @@ class RepoMqttService:
             log.exception("repository: unexpected failure on %.120s", message.topic)
             self._drop("internal", message.topic, "unexpected failure")
 
-    def _handle(self, message: ReceivedMessage) -> None:
+    def _handle(self, message: InboundMessage) -> None:
         try:
             parsed = topics.parse(message.topic)
         except TopicError as e:
@@ -225,8 +234,11 @@ class RepoMqttService:
             return
         reply_to = topics.repo_reply(parsed.device_id)
         if message.response_topic != reply_to:
-            self._drop("bad_response_topic", message.topic,
-                       f"response topic {str(message.response_topic)[:120]!r} is not {reply_to}")
+            self._drop(
+                "bad_response_topic",
+                message.topic,
+                f"response topic {str(message.response_topic)[:120]!r} is not {reply_to}",
+            )
             return
         if not message.correlation_data:
             self._drop("no_correlation", message.topic, "request without correlation data")
@@ -237,14 +249,17 @@ class RepoMqttService:
         except _Refused as e:
             self._reply(message, reply_to, RepoReply(e.status, error=str(e)), b"")
             return
-        self._reply(message, reply_to, RepoReply(RepoStatus.OK, size=size,
-                                                 offset=request.offset), data)
+        self._reply(
+            message, reply_to, RepoReply(RepoStatus.OK, size=size, offset=request.offset), data
+        )
 
     @staticmethod
     def _parse(payload: bytes) -> RepoRequest:
         if len(payload) > RepoRequest.MAX_BYTES:
-            raise _Refused(RepoStatus.BAD_REQUEST,
-                           f"request of {len(payload)} bytes exceeds {RepoRequest.MAX_BYTES}")
+            raise _Refused(
+                RepoStatus.BAD_REQUEST,
+                f"request of {len(payload)} bytes exceeds {RepoRequest.MAX_BYTES}",
+            )
         try:
             return RepoRequest.model_validate_json(payload)
         except ValidationError as e:
@@ -252,15 +267,16 @@ class RepoMqttService:
             where = ".".join(str(x) for x in first.get("loc", ())) or "request"
             raise _Refused(RepoStatus.BAD_REQUEST, f"{where}: {first['msg']}"[:300]) from None
 
-    def _reply(self, message: ReceivedMessage, reply_to: str, reply: RepoReply,
-               data: bytes) -> None:
+    def _reply(self, message: InboundMessage, reply_to: str, reply: RepoReply, data: bytes) -> None:
         subscriber = self._subscriber
         if subscriber is None:
             self._drop("not_connected", message.topic, "no broker session")
             return
         try:
             subscriber.publish_nowait(
-                reply_to, data, qos=min(message.qos, 1),
+                reply_to,
+                data,
+                qos=min(message.qos, 1),
                 user_properties=reply.user_properties(),
                 correlation_data=message.correlation_data,
             )
@@ -271,13 +287,19 @@ class RepoMqttService:
         if data:
             self._metrics.repo_bytes.inc(len(data))
         if reply.status is not RepoStatus.OK:
-            self._note(f"reply:{reply.status.value}", "repository: answered %s to %s: %s",
-                       reply.status.value, message.topic, reply.error)
+            self._note(
+                f"reply:{reply.status.value}",
+                "repository: answered %s to %s: %s",
+                reply.status.value,
+                message.topic,
+                reply.error,
+            )
 
     def _drop(self, reason: str, topic: str, detail: str) -> None:
         self._metrics.repo_dropped.labels(reason).inc()
-        self._note(reason, "repository: dropped a request on %.120s (%s): %s",
-                   topic, reason, detail)
+        self._note(
+            reason, "repository: dropped a request on %.120s (%s): %s", topic, reason, detail
+        )
 
     def _note(self, key: str, fmt: str, *args: object) -> None:
         now = time.monotonic()

@@ -18,7 +18,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from mcp_edge.controlplane.broker.base import Credentials
-from mcp_edge.controlplane.mqtt import BrokerAddress, MqttError, MqttSubscriber, ReceivedMessage
+from mcp_edge.controlplane.mqtt import BrokerAddress, MqttSubscriber
+from mcp_edge.shared.mqtt import InboundMessage, MqttError
 from mcp_edge.tooling.mosquitto import MosquittoBroker
 from tests.integration.conftest import MqttProbe, ProbeFactory
 
@@ -65,8 +66,9 @@ async def test_a_burst_arrives_whole_and_in_order(
 ) -> None:
     got: list[tuple[str, bytes]] = []
     address = BrokerAddress(broker.host, broker.port)
-    async with MqttSubscriber(address, _anonymous("cp-burst"), ["burst/#"],
-                              lambda t, p: got.append((t, bytes(p)))):
+    async with MqttSubscriber(
+        address, _anonymous("cp-burst"), ["burst/#"], lambda t, p: got.append((t, bytes(p)))
+    ):
         probe = await mqtt_probe(broker, None, client_id="burst-publisher")
         _fire(probe, "burst", 240, sizes)
         await _until(lambda: len(got) >= 240, "240 messages")
@@ -79,10 +81,11 @@ async def test_replies_published_from_the_handler_all_go_out(
 ) -> None:
     session: MqttSubscriber | None = None
 
-    def answer(m: ReceivedMessage) -> None:
+    def answer(m: InboundMessage) -> None:
         assert session is not None and m.response_topic and m.correlation_data is not None
-        session.publish_nowait(m.response_topic, m.payload[::-1], qos=m.qos,
-                               correlation_data=m.correlation_data)
+        session.publish_nowait(
+            m.response_topic, m.payload[::-1], qos=m.qos, correlation_data=m.correlation_data
+        )
 
     address = BrokerAddress(broker.host, broker.port)
     session = MqttSubscriber(address, _anonymous("cp-echo"), ["req/#"], on_message=answer)
@@ -104,8 +107,9 @@ async def test_the_session_comes_back_after_a_broker_restart(
 ) -> None:
     got: list[bytes] = []
     address = BrokerAddress(broker.host, broker.port)
-    async with MqttSubscriber(address, _anonymous("cp-restart"), ["restart/#"],
-                              lambda _t, p: got.append(bytes(p))) as session:
+    async with MqttSubscriber(
+        address, _anonymous("cp-restart"), ["restart/#"], lambda _t, p: got.append(bytes(p))
+    ) as session:
         broker.stop()
         broker.start()  # no persistence: the broker forgot the session and its subscription
         probe = await mqtt_probe(broker, None, client_id="restart-publisher")
@@ -120,8 +124,13 @@ async def test_the_session_comes_back_after_a_broker_restart(
 
 async def test_an_unreachable_broker_is_a_clear_error(tmp_path: Path) -> None:
     broker = MosquittoBroker(tmp_path)  # never started: nothing listens on its port
-    session = MqttSubscriber(BrokerAddress(broker.host, broker.port), _anonymous("cp-none"),
-                             ["x/#"], lambda _t, _p: None, timeout_s=2)
+    session = MqttSubscriber(
+        BrokerAddress(broker.host, broker.port),
+        _anonymous("cp-none"),
+        ["x/#"],
+        lambda _t, _p: None,
+        timeout_s=2,
+    )
     with pytest.raises(MqttError, match="cannot connect to the broker"):
         await session.start()
     await session.close()

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mcp_edge.agent.fleet.client import InferenceClient
+from mcp_edge.client import InferenceClient
 from mcp_edge.tooling.models import DigitsModels
 from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
 from mcp_edge.tooling.processes import (
@@ -29,8 +29,6 @@ from mcp_edge.tooling.processes import (
 )
 
 CP = CONTROLPLANE
-
-
 
 
 def _api(url: str, token: str) -> Any:
@@ -52,7 +50,9 @@ def _devices(cp_url: str, token: str) -> dict[str, dict[str, Any]]:
 
 
 def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
-    fresh_dynsec_broker: DynsecMosquittoBroker, digits: DigitsModels, tmp_path: Path,
+    fresh_dynsec_broker: DynsecMosquittoBroker,
+    digits: DigitsModels,
+    tmp_path: Path,
     processes: list[subprocess.Popen[str]],
 ) -> None:
     broker = fresh_dynsec_broker
@@ -65,26 +65,65 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
     data = tmp_path / "cp"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     init = subprocess.run(
-        [*CP, "init", "--data-dir", str(data), "--broker-url", broker_url,
-         "--broker-admin-url", broker_url, "--broker-admin-user", broker.admin_username,
-         "--broker-admin-password-file", str(secret), "--admin-user", "admin",
-         "--admin-password-file", str(admin_pw)],
-        capture_output=True, text=True, timeout=120, cwd=REPO, env=env,
+        [
+            *CP,
+            "init",
+            "--data-dir",
+            str(data),
+            "--broker-url",
+            broker_url,
+            "--broker-admin-url",
+            broker_url,
+            "--broker-admin-user",
+            broker.admin_username,
+            "--broker-admin-password-file",
+            str(secret),
+            "--admin-user",
+            "admin",
+            "--admin-password-file",
+            str(admin_pw),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        env=env,
     )
     assert init.returncode == 0, init.stderr
     api_token = init.stdout.strip().splitlines()[-1]
     cp = subprocess.Popen(
         [*CP, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
     )
     processes.append(cp)
     assert cp.stdout is not None
     cp_url = cp.stdout.readline().strip()
     assert cp_url.startswith("http://"), cp.stderr.read() if cp.poll() is not None else cp_url
     token = subprocess.run(
-        [*CP, "tokens", "create", "--uses", "2", "--expires", "1h", "--labels", "site=lab",
-         "--server", cp_url, "--token", api_token],
-        capture_output=True, text=True, timeout=60, cwd=REPO, env=env,
+        [
+            *CP,
+            "tokens",
+            "create",
+            "--uses",
+            "2",
+            "--expires",
+            "1h",
+            "--labels",
+            "site=lab",
+            "--server",
+            cp_url,
+            "--token",
+            api_token,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=env,
     )
     assert token.returncode == 0, token.stderr
     enroll_token = token.stdout.strip().splitlines()[-1]
@@ -93,22 +132,64 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
     for name in ("cam-1", "cam-2"):
         state = tmp_path / name
         enrolled = subprocess.run(
-            [*AGENT, "enroll", "--server", cp_url, "--token", enroll_token, "--device-id", name,
-             "--state-dir", str(state)],
-            capture_output=True, text=True, timeout=60, cwd=REPO, env=env,
+            [
+                *AGENT,
+                "enroll",
+                "--server",
+                cp_url,
+                "--token",
+                enroll_token,
+                "--device-id",
+                name,
+                "--state-dir",
+                str(state),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+            env=env,
         )
         assert enrolled.returncode == 0, enrolled.stderr
         assert f"enrolled as {name}" in enrolled.stdout
         again = subprocess.run(
-            [*AGENT, "enroll", "--server", cp_url, "--token", enroll_token, "--device-id", name,
-             "--state-dir", str(state)],
-            capture_output=True, text=True, timeout=60, cwd=REPO, env=env,
+            [
+                *AGENT,
+                "enroll",
+                "--server",
+                cp_url,
+                "--token",
+                enroll_token,
+                "--device-id",
+                name,
+                "--state-dir",
+                str(state),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+            env=env,
         )
         assert again.returncode == 0 and "nothing changed" in again.stdout
         proc = subprocess.Popen(
-            [*AGENT, "run", "--model-path", str(digits.onnx_path), "--port", str(free_port()),
-             "--state-dir", str(state), "--health-interval", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
+            [
+                *AGENT,
+                "run",
+                "--model-path",
+                str(digits.onnx_path),
+                "--port",
+                str(free_port()),
+                "--state-dir",
+                str(state),
+                "--health-interval",
+                "1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env=env,
         )
         processes.append(proc)
         agents[name] = proc
@@ -120,21 +201,32 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
     wait_until(both_online, "both agents online in GET /api/v1/devices", 60)
     devices = _devices(cp_url, api_token)
     assert devices["cam-1"]["labels"] == {"site": "lab"}
-    wait_until(lambda: len(_api(f"{cp_url}/api/v1/devices/cam-1/health", api_token)["items"]) > 0,
-          "a health sample from cam-1", 60)
+    wait_until(
+        lambda: len(_api(f"{cp_url}/api/v1/devices/cam-1/health", api_token)["items"]) > 0,
+        "a health sample from cam-1",
+        60,
+    )
 
     app = subprocess.run(
         [*CP, "apps", "create", "e2e-app", "--json", "--server", cp_url, "--token", api_token],
-        capture_output=True, text=True, timeout=60, cwd=REPO, env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=env,
     )
     assert app.returncode == 0, app.stderr
     creds = json.loads(app.stdout)
 
     async def infer() -> None:
         x = digits.X_test[:5].astype(np.float32)
-        async with InferenceClient(broker.host, broker.port, client_id=creds["client_id"],
-                                   username=creds["username"],
-                                   password=creds["password"]) as client:
+        async with InferenceClient(
+            broker.host,
+            broker.port,
+            client_id=creds["client_id"],
+            username=creds["username"],
+            password=creds["password"],
+        ) as client:
             for device in ("cam-1", "cam-2", None):
                 resp = await client.infer("digits", {"input": x}, device=device, timeout_s=10)
                 scores = np.asarray(resp.outputs[0].data, dtype=np.float32).reshape(5, 10)
@@ -144,6 +236,9 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
 
     agents["cam-2"].send_signal(signal.SIGKILL)
     agents["cam-2"].wait(timeout=10)
-    wait_until(lambda: not _devices(cp_url, api_token)["cam-2"]["online"],
-          "cam-2 offline through its last will", 90)
+    wait_until(
+        lambda: not _devices(cp_url, api_token)["cam-2"]["online"],
+        "cam-2 offline through its last will",
+        90,
+    )
     assert _devices(cp_url, api_token)["cam-1"]["online"]

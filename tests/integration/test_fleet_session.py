@@ -20,19 +20,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 
-from mcp_edge.agent.fleet.client import InferenceClient, InferenceReplyError, parse_reply
-from mcp_edge.agent.fleet.mqtt import Backoff, InboundMessage, MqttClient, MqttSettings
-from mcp_edge.agent.fleet.mqtt_connection import encode_publish_properties
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool, SpoolKind
 from mcp_edge.agent.fleet.telemetry import HealthCollector
 from mcp_edge.agent.runtime.loader import load_runner
 from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
+from mcp_edge.client import InferenceClient, InferenceReplyError, parse_reply
+from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttSettings, ReconnectPolicy
 from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.protocol import (
     CommandReply,
@@ -141,50 +136,6 @@ def make_session(broker: MosquittoBroker, tmp_path: Path, device: str, **kw: Any
     return FleetSession(cfg, spool=spool, **rest)
 
 
-# ------------------------------------------------------------------------------ backoff
-def test_backoff_is_exponential_with_full_jitter_and_resets() -> None:
-    b = Backoff(initial_s=0.5, max_s=8.0, rng=random.Random(7))
-    delays = [b.next_delay() for _ in range(8)]
-    ceilings = [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0]
-    assert all(0 <= d <= c for d, c in zip(delays, ceilings, strict=True))
-    assert len(set(delays)) == len(delays)  # jittered, not a fixed schedule
-    b.reset()
-    assert b.next_delay() <= 0.5
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.one_of(st.none(), st.text(min_size=1, max_size=300)),
-    st.one_of(st.none(), st.binary(max_size=300)),
-    st.lists(st.tuples(st.text(max_size=40), st.text(max_size=200)), max_size=4),
-    st.one_of(st.none(), st.text(min_size=1, max_size=40)),
-    st.one_of(st.none(), st.integers(min_value=1, max_value=2**32 - 1)),
-)
-def test_our_publish_properties_are_byte_for_byte_what_paho_would_send(
-    response_topic: str | None,
-    correlation: bytes | None,
-    user: list[tuple[str, str]],
-    content_type: str | None,
-    expiry: int | None,
-) -> None:
-    props = Properties(PacketTypes.PUBLISH)
-    if expiry:
-        props.MessageExpiryInterval = expiry
-    if content_type:
-        props.ContentType = content_type
-    if response_topic:
-        props.ResponseTopic = response_topic
-    if correlation is not None:
-        props.CorrelationData = correlation
-    if user:
-        props.UserProperty = user
-    ours = encode_publish_properties(
-        response_topic=response_topic, correlation_data=correlation, user_properties=user,
-        content_type=content_type, message_expiry_s=expiry,
-    )  # fmt: skip
-    assert ours == bytes(props.pack())
-
-
 @pytest.mark.parametrize("sizes", [(3, 20, 0, 64), (0, 1, 250, 70_000, 9)], ids=["tiny", "mixed"])
 async def test_a_burst_of_messages_arrives_whole_and_in_order(
     mosquitto: MosquittoBroker, sizes: tuple[int, ...]
@@ -195,11 +146,22 @@ async def test_a_burst_of_messages_arrives_whole_and_in_order(
 
     topic = f"burst/{secrets.token_hex(4)}"
     got: list[bytes] = []
-    sub = MqttClient(MqttSettings(mosquitto.host, mosquitto.port, client_id=f"sub-{topic[6:]}",
-                                  clean_start=True, session_expiry_s=0))
+    sub = MqttClient(
+        MqttSettings(
+            mosquitto.host,
+            mosquitto.port,
+            client_id=f"sub-{topic[6:]}",
+            clean_start=True,
+            session_expiry_s=0,
+        )
+    )
     sub.set_handler(lambda m: got.append(m.payload))
-    async with sub, MqttClient(MqttSettings(mosquitto.host, mosquitto.port,
-                                            client_id=f"pub-{topic[6:]}")) as pub:
+    async with (
+        sub,
+        MqttClient(
+            MqttSettings(mosquitto.host, mosquitto.port, client_id=f"pub-{topic[6:]}")
+        ) as pub,
+    ):
         await sub.subscribe(topic)
         acks = [pub.publish_nowait(topic, payload(i), qos=1) for i in range(300)]
         await asyncio.gather(*acks)
@@ -307,7 +269,7 @@ async def test_broker_restart_spools_telemetry_and_events_and_drains_them_in_ord
     session = make_session(
         broker, tmp_path, device, health_interval_s=0.02, sleep=sleep,
         health=HealthCollector(clock=lambda: float(next(ticks))),
-        backoff=Backoff(initial_s=0.05, max_s=0.2, rng=random.Random(3)),
+        reconnect=ReconnectPolicy(first_delay_s=0.05, max_delay_s=0.2), rng=random.Random(3),
     )  # fmt: skip
     health_t, events_t = topics.telemetry(device, "health"), topics.events(device)
     w = await Watcher(broker, topics.device_subtree(device)).start()
@@ -330,7 +292,7 @@ async def test_broker_restart_spools_telemetry_and_events_and_drains_them_in_ord
         assert session.spool.count(SpoolKind.HEALTH) >= 10
         # Three refused attempts, each waiting a jittered, growing backoff below its ceiling.
         tail = sleep.delays[-4:]
-        assert all(0 <= d <= 0.2 for d in tail) and session.backoff.attempt >= 4
+        assert all(0 <= d <= 0.2 for d in tail) and session.link.backoff.attempt >= 4
 
         broker.start()
         await w.client.connect()  # the watcher is back (and subscribed) before the agent

@@ -15,19 +15,19 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mcp_edge.agent.fleet.client import (
-    InferenceClient,
-    InferenceReplyError,
-    NoResponderError,
-    parse_reply,
-)
-from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttSettings
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool
 from mcp_edge.agent.runtime.batcher import BatchingConfig
 from mcp_edge.agent.runtime.loader import load_runner
 from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
 from mcp_edge.agent.runtime.runner import ModelRunner
+from mcp_edge.client import (
+    InferenceClient,
+    InferenceReplyError,
+    NoResponderError,
+    parse_reply,
+)
+from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttSettings
 from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.protocol import ErrorCode, topics
 from mcp_edge.tooling.models import DigitsModels, onnx_predict

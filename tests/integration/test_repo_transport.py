@@ -24,7 +24,6 @@ from tuf.api.exceptions import (
 from tuf.api.metadata import TargetFile  # type: ignore[attr-defined]
 from tuf.ngclient.updater import Updater
 
-from mcp_edge.agent.fleet.mqtt import InboundMessage, MqttClient, MqttSettings, Subscription
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool
 from mcp_edge.agent.update.transport_http import HttpRepoTransport
@@ -34,6 +33,13 @@ from mcp_edge.controlplane.metrics import ControlPlaneMetrics
 from mcp_edge.controlplane.mqtt import BrokerAddress
 from mcp_edge.controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
 from mcp_edge.controlplane.repository.tuf_repo import KeyStore, TufRepository
+from mcp_edge.shared.mqtt import (
+    InboundMessage,
+    MqttClient,
+    MqttSettings,
+    ReconnectPolicy,
+    Subscription,
+)
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.repo import RepoReply, RepoStatus
 from mcp_edge.tooling.mosquitto import MosquittoBroker
@@ -82,8 +88,13 @@ def _dropped(metrics: ControlPlaneMetrics, reason: str) -> float:
 class Stack:
     """The control plane's repository service and one device session on one broker."""
 
-    def __init__(self, broker: MosquittoBroker, published: Published, tmp_path: Path,
-                 config: MqttTransportConfig) -> None:
+    def __init__(
+        self,
+        broker: MosquittoBroker,
+        published: Published,
+        tmp_path: Path,
+        config: MqttTransportConfig,
+    ) -> None:
         self.broker = broker
         self.published = published
         self.metrics = ControlPlaneMetrics()
@@ -92,31 +103,43 @@ class Stack:
             BrokerAddress(broker.host, broker.port),
             Credentials(username="svc-cp", password="unused", client_id="cp-test-repo"),
         )
-        fleet = FleetConfig(device_id=DEVICE, host=broker.host, port=broker.port,
-                            health_interval_s=3600, inference_interval_s=3600,
-                            backoff_initial_s=0.05, backoff_max_s=0.2)
-        self.session = FleetSession(fleet, spool=Spool(tmp_path / "spool.db"), repo_config=config)
-
-    @property
-    def transport(self) -> MqttRepoTransport:
-        return self.session.repo_transport
+        fleet = FleetConfig(
+            device_id=DEVICE,
+            host=broker.host,
+            port=broker.port,
+            health_interval_s=3600,
+            inference_interval_s=3600,
+            reconnect=ReconnectPolicy(first_delay_s=0.05, max_delay_s=0.2),
+        )
+        # Wired as agent/run.py does: the transport on the session's client, handed in.
+        mqtt = MqttClient(fleet.mqtt_settings())
+        self.transport = MqttRepoTransport(mqtt, DEVICE, config)
+        self.session = FleetSession(
+            fleet, spool=Spool(tmp_path / "spool.db"), mqtt=mqtt, repo=self.transport
+        )
 
     def updater(self, tmp_path: Path) -> Updater:
         metadata = tmp_path / "device-metadata"
         metadata.mkdir(exist_ok=True)
         return Updater(
-            str(metadata), self.transport.metadata_url, target_base_url=self.transport.targets_url,
-            fetcher=self.transport.fetcher(), bootstrap=self.published.repo.root_bytes(),
+            str(metadata),
+            self.transport.metadata_url,
+            target_base_url=self.transport.targets_url,
+            fetcher=self.transport.fetcher(),
+            bootstrap=self.published.repo.root_bytes(),
         )
 
 
 @pytest.fixture
 async def stack(
-    fresh_mosquitto: MosquittoBroker, published: Published, tmp_path: Path,
+    fresh_mosquitto: MosquittoBroker,
+    published: Published,
+    tmp_path: Path,
     request: pytest.FixtureRequest,
 ) -> AsyncIterator[Stack]:
     config = getattr(request, "param", None) or MqttTransportConfig(
-        chunk_timeout_s=5.0, chunk_retries=3, backoff_initial_s=0.05, backoff_max_s=0.2)
+        chunk_timeout_s=5.0, chunk_retries=3, backoff_initial_s=0.05, backoff_max_s=0.2
+    )
     s = Stack(fresh_mosquitto, published, tmp_path, config)
     await s.service.start(s.connection)
     await s.session.start()
@@ -140,8 +163,11 @@ async def test_ngclient_refresh_and_download_over_mqtt(stack: Stack, tmp_path: P
     dest = tmp_path / "staging.mcpb"
     seen: list[tuple[int, int]] = []
     got = await asyncio.to_thread(
-        stack.transport.download, stack.published.url(stack.transport.targets_url), dest,
-        length=info.length, progress=lambda done, total: seen.append((done, total)),
+        stack.transport.download,
+        stack.published.url(stack.transport.targets_url),
+        dest,
+        length=info.length,
+        progress=lambda done, total: seen.append((done, total)),
     )
     assert got == SIZE
     with dest.open("rb") as f:
@@ -158,8 +184,9 @@ async def test_not_found_is_http_404(stack: Stack, tmp_path: Path) -> None:
     assert e.value.status_code == 404
     fetcher = stack.transport.fetcher()
     with pytest.raises(DownloadHTTPError) as e:
-        await asyncio.to_thread(fetcher.download_bytes,
-                                stack.transport.metadata_url + "7.root.json", 10_000)
+        await asyncio.to_thread(
+            fetcher.download_bytes, stack.transport.metadata_url + "7.root.json", 10_000
+        )
     assert e.value.status_code == 404
 
 
@@ -170,7 +197,9 @@ async def test_file_longer_than_allowed_is_refused_before_writing(
     allowed = SIZE - 1000
     with pytest.raises(DownloadLengthMismatchError):
         await asyncio.to_thread(
-            stack.transport.download, stack.published.url(stack.transport.targets_url), dest,
+            stack.transport.download,
+            stack.published.url(stack.transport.targets_url),
+            dest,
             length=allowed,
         )
     assert dest.stat().st_size <= allowed
@@ -178,14 +207,19 @@ async def test_file_longer_than_allowed_is_refused_before_writing(
     dest.write_bytes(stack.published.data[:allowed])
     with pytest.raises(DownloadLengthMismatchError):
         await asyncio.to_thread(
-            stack.transport.download, stack.published.url(stack.transport.targets_url), dest,
+            stack.transport.download,
+            stack.published.url(stack.transport.targets_url),
+            dest,
             length=allowed,
         )
     assert dest.stat().st_size == allowed
 
 
-@pytest.mark.parametrize("stack", [MqttTransportConfig(
-    chunk_timeout_s=2.0, chunk_retries=0, backoff_initial_s=0.05)], indirect=True)
+@pytest.mark.parametrize(
+    "stack",
+    [MqttTransportConfig(chunk_timeout_s=2.0, chunk_retries=0, backoff_initial_s=0.05)],
+    indirect=True,
+)
 async def test_broker_killed_mid_transfer_resumes_with_at_most_one_window_resent(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -201,8 +235,9 @@ async def test_broker_killed_mid_transfer_resumes_with_at_most_one_window_resent
 
     before = _sent(stack.metrics)
     with pytest.raises(DownloadError):
-        await asyncio.to_thread(stack.transport.download, url, dest, length=SIZE,
-                                progress=kill_midway)
+        await asyncio.to_thread(
+            stack.transport.download, url, dest, length=SIZE, progress=kill_midway
+        )
     partial = dest.stat().st_size
     assert 0 < partial < SIZE and partial % CHUNK == 0
     assert dest.read_bytes() == stack.published.data[:partial]
@@ -224,15 +259,23 @@ async def test_broker_killed_mid_transfer_resumes_with_at_most_one_window_resent
     assert resent <= stack.transport.config.window
 
 
-@pytest.mark.parametrize("stack", [MqttTransportConfig(
-    chunk_timeout_s=0.3, chunk_retries=2, backoff_initial_s=0.05, backoff_max_s=0.1)],
-    indirect=True)
+@pytest.mark.parametrize(
+    "stack",
+    [
+        MqttTransportConfig(
+            chunk_timeout_s=0.3, chunk_retries=2, backoff_initial_s=0.05, backoff_max_s=0.1
+        )
+    ],
+    indirect=True,
+)
 async def test_stalled_server_raises_slow_retrieval(stack: Stack, tmp_path: Path) -> None:
     await stack.service.stop()
     with pytest.raises(SlowRetrievalError):
         await asyncio.to_thread(
-            stack.transport.download, stack.published.url(stack.transport.targets_url),
-            tmp_path / "stalled.mcpb", length=SIZE,
+            stack.transport.download,
+            stack.published.url(stack.transport.targets_url),
+            tmp_path / "stalled.mcpb",
+            length=SIZE,
         )
     assert stack.transport.retries >= 2
 
@@ -240,15 +283,24 @@ async def test_stalled_server_raises_slow_retrieval(stack: Stack, tmp_path: Path
 async def test_total_timeout_raises_slow_retrieval(
     fresh_mosquitto: MosquittoBroker, published: Published, tmp_path: Path
 ) -> None:
-    config = MqttTransportConfig(chunk_timeout_s=0.2, chunk_retries=1000,
-                                 backoff_initial_s=0.01, backoff_max_s=0.05, total_timeout_s=1.0)
+    config = MqttTransportConfig(
+        chunk_timeout_s=0.2,
+        chunk_retries=1000,
+        backoff_initial_s=0.01,
+        backoff_max_s=0.05,
+        total_timeout_s=1.0,
+    )
     s = Stack(fresh_mosquitto, published, tmp_path, config)
     await s.session.start()
     try:
         await s.session.wait_online(10)
         with pytest.raises(SlowRetrievalError, match="total timeout"):
-            await asyncio.to_thread(s.transport.download, published.url(s.transport.targets_url),
-                                    tmp_path / "t.mcpb", length=SIZE)
+            await asyncio.to_thread(
+                s.transport.download,
+                published.url(s.transport.targets_url),
+                tmp_path / "t.mcpb",
+                length=SIZE,
+            )
     finally:
         await s.session.close()
 
@@ -261,8 +313,12 @@ async def test_tampered_chunk_fails_the_hash_check(stack: Stack, tmp_path: Path)
         f.seek(SIZE // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
     dest = tmp_path / "tampered.mcpb"
-    await asyncio.to_thread(stack.transport.download,
-                            stack.published.url(stack.transport.targets_url), dest, length=SIZE)
+    await asyncio.to_thread(
+        stack.transport.download,
+        stack.published.url(stack.transport.targets_url),
+        dest,
+        length=SIZE,
+    )
     with dest.open("rb") as f, pytest.raises(LengthOrHashMismatchError):
         stack.published.info.verify_length_and_hashes(f)
 
@@ -271,21 +327,27 @@ class Prober:
     """A raw client speaking the repository protocol by hand, as a misbehaving device would."""
 
     def __init__(self, broker: MosquittoBroker) -> None:
-        self.client = MqttClient(MqttSettings(host=broker.host, port=broker.port,
-                                              client_id="prober", clean_start=True))
+        self.client = MqttClient(
+            MqttSettings(host=broker.host, port=broker.port, client_id="prober", clean_start=True)
+        )
         self.replies: asyncio.Queue[InboundMessage] = asyncio.Queue()
         self.client.set_handler(self.replies.put_nowait)
 
     async def start(self) -> None:
         await self.client.connect()
-        await self.client.subscribe(Subscription(topics.repo_reply(DEVICE)),
-                                    Subscription(topics.repo_reply("someone-else")))
+        await self.client.subscribe(
+            Subscription(topics.repo_reply(DEVICE)), Subscription(topics.repo_reply("someone-else"))
+        )
 
-    async def ask(self, payload: bytes, *, reply_to: str | None = None,
-                  correlation: bytes = b"c1") -> None:
+    async def ask(
+        self, payload: bytes, *, reply_to: str | None = None, correlation: bytes = b"c1"
+    ) -> None:
         await self.client.publish(
-            topics.repo_request(DEVICE), payload, 1,
-            response_topic=reply_to or topics.repo_reply(DEVICE), correlation_data=correlation,
+            topics.repo_request(DEVICE),
+            payload,
+            1,
+            response_topic=reply_to or topics.repo_reply(DEVICE),
+            correlation_data=correlation,
         )
 
     async def reply(self) -> tuple[RepoReply, InboundMessage]:
@@ -316,10 +378,14 @@ async def test_bad_requests_are_answered_or_dropped_and_counted(
         reply, _ = await prober.reply()
         assert reply.status is RepoStatus.NOT_FOUND and reply.error
 
-        await prober.ask(orjson.dumps({"path": "metadata/root.json"}),
-                         reply_to=topics.repo_reply("someone-else"), correlation=b"c2")
-        await prober.ask(orjson.dumps({"path": "metadata/root.json", "length": 64}),
-                         correlation=b"c3")
+        await prober.ask(
+            orjson.dumps({"path": "metadata/root.json"}),
+            reply_to=topics.repo_reply("someone-else"),
+            correlation=b"c2",
+        )
+        await prober.ask(
+            orjson.dumps({"path": "metadata/root.json", "length": 64}), correlation=b"c3"
+        )
         reply, msg = await prober.reply()  # the misdirected request got no reply at all
         assert msg.topic == topics.repo_reply(DEVICE) and msg.correlation_data == b"c3"
         root = stack.published.repo.root_bytes()
@@ -331,8 +397,12 @@ async def test_bad_requests_are_answered_or_dropped_and_counted(
         await prober.client.close()
     # The service still serves a real client after all that.
     dest = tmp_path / "after.mcpb"
-    await asyncio.to_thread(stack.transport.download,
-                            stack.published.url(stack.transport.targets_url), dest, length=SIZE)
+    await asyncio.to_thread(
+        stack.transport.download,
+        stack.published.url(stack.transport.targets_url),
+        dest,
+        length=SIZE,
+    )
     assert _sha256(dest) == stack.published.info.hashes["sha256"]
 
 
@@ -368,21 +438,30 @@ async def test_http_refresh_download_and_resume(
     transport = HttpRepoTransport(http_repo + "repo")
     metadata = tmp_path / "http-metadata"
     metadata.mkdir()
-    updater = Updater(str(metadata), transport.metadata_url,
-                      target_base_url=transport.targets_url, fetcher=transport.fetcher(),
-                      bootstrap=published.repo.root_bytes())
+    updater = Updater(
+        str(metadata),
+        transport.metadata_url,
+        target_base_url=transport.targets_url,
+        fetcher=transport.fetcher(),
+        bootstrap=published.repo.root_bytes(),
+    )
     await asyncio.to_thread(updater.refresh)
     info = await asyncio.to_thread(updater.get_targetinfo, TARGET)
     assert info is not None
     dest = tmp_path / "http.mcpb"
     dest.write_bytes(published.data[:1_000_000])  # a partial download from before
-    got = await asyncio.to_thread(transport.download, published.url(transport.targets_url),
-                                  dest, length=info.length)
+    got = await asyncio.to_thread(
+        transport.download, published.url(transport.targets_url), dest, length=info.length
+    )
     assert got == SIZE - 1_000_000
     with dest.open("rb") as f:
         info.verify_length_and_hashes(f)
-    assert await asyncio.to_thread(transport.download, published.url(transport.targets_url),
-                                   dest, length=info.length) == 0
+    assert (
+        await asyncio.to_thread(
+            transport.download, published.url(transport.targets_url), dest, length=info.length
+        )
+        == 0
+    )
 
 
 async def test_http_404_and_length_cap(
@@ -390,17 +469,22 @@ async def test_http_404_and_length_cap(
 ) -> None:
     transport = HttpRepoTransport(http_repo + "repo/")
     with pytest.raises(DownloadHTTPError) as e:
-        await asyncio.to_thread(transport.download, transport.targets_url + "nope/x.mcpb",
-                                tmp_path / "missing", length=10)
+        await asyncio.to_thread(
+            transport.download,
+            transport.targets_url + "nope/x.mcpb",
+            tmp_path / "missing",
+            length=10,
+        )
     assert e.value.status_code == 404
     capped = tmp_path / "capped"
     with pytest.raises(DownloadLengthMismatchError):
-        await asyncio.to_thread(transport.download, published.url(transport.targets_url),
-                                capped, length=SIZE - 1)
+        await asyncio.to_thread(
+            transport.download, published.url(transport.targets_url), capped, length=SIZE - 1
+        )
     assert capped.stat().st_size == 0
     endless = tmp_path / "endless"
     with pytest.raises(DownloadLengthMismatchError):
-        await asyncio.to_thread(HttpRepoTransport(http_repo).download, http_repo + "endless",
-                                endless, length=100_000)
+        await asyncio.to_thread(
+            HttpRepoTransport(http_repo).download, http_repo + "endless", endless, length=100_000
+        )
     assert endless.stat().st_size <= 100_000
-

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from mcp_edge.agent.fleet.mqtt import MqttClient, MqttConnectError, MqttSettings
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool
+from mcp_edge.shared.mqtt import MqttClient, MqttConnectError, MqttSettings
 from mcp_edge.shared.netutil import ephemeral_port_range, free_port_below_ephemeral
 from mcp_edge.tooling.mosquitto import LOOPBACK, MosquittoBroker
 
@@ -33,7 +33,7 @@ async def test_a_self_connect_fails_the_connect_and_leaves_the_port_to_the_broke
     settings = MqttSettings(LOOPBACK, port, client_id="dev-self", source_address=(LOOPBACK, port))
     client = MqttClient(settings)
     with (
-        caplog.at_level(logging.INFO, logger="mcp.agent.mqtt"),
+        caplog.at_level(logging.INFO, logger="mcp.mqtt"),
         pytest.raises(MqttConnectError, match="connected to itself"),
     ):
         await client.connect()

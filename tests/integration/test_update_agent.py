@@ -41,6 +41,7 @@ from mcp_edge.controlplane.metrics import ControlPlaneMetrics
 from mcp_edge.controlplane.mqtt import BrokerAddress
 from mcp_edge.controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
 from mcp_edge.shared.errors import ExpiredError, ReplayError, SigningError
+from mcp_edge.shared.mqtt import MqttClient
 from mcp_edge.shared.profiles import HardwareProfile
 from mcp_edge.shared.protocol.canary import CanaryPolicy
 from mcp_edge.shared.protocol.state import (
@@ -140,14 +141,27 @@ async def mqtt_transport(env: Env, broker: MosquittoBroker) -> AsyncIterator[Mqt
         BrokerAddress(broker.host, broker.port),
         Credentials(username="svc-cp", password="unused", client_id=f"cp-repo-{suffix}"),
     ))  # fmt: skip
-    config = FleetConfig(device_id=DEVICE, client_id=f"{DEVICE}-{suffix}", host=broker.host,
-                         port=broker.port, health_interval_s=3600, inference_interval_s=3600)
-    session = FleetSession(config, spool=Spool(env.tmp / "spool.db"), repo_config=MqttTransportConfig(
-        chunk_timeout_s=5.0, chunk_retries=3, backoff_initial_s=0.05, backoff_max_s=0.2))
+    config = FleetConfig(
+        device_id=DEVICE,
+        client_id=f"{DEVICE}-{suffix}",
+        host=broker.host,
+        port=broker.port,
+        health_interval_s=3600,
+        inference_interval_s=3600,
+    )
+    mqtt = MqttClient(config.mqtt_settings())
+    transport = MqttRepoTransport(
+        mqtt,
+        DEVICE,
+        MqttTransportConfig(
+            chunk_timeout_s=5.0, chunk_retries=3, backoff_initial_s=0.05, backoff_max_s=0.2
+        ),
+    )
+    session = FleetSession(config, spool=Spool(env.tmp / "spool.db"), mqtt=mqtt, repo=transport)
     await session.start()
     try:
         await session.wait_online(10)
-        yield session.repo_transport
+        yield transport
     finally:
         await session.close()
         await service.stop()
@@ -306,16 +320,18 @@ async def test_canary_is_judged_by_the_policy_of_its_desired_state(file_env: Env
     # min_requests 30 (not the default 20): a canary that fails every request is judged only
     # once its window holds 30 requests (the deployment's probe request among them).
     policy = CanaryPolicy(weight=1.0, max_error_rate=0.5, min_requests=30)
-    await agent.handle_desired(env.desired(2, stable, canary=CanarySpec.of(
-        env.publish("1.1.0"), policy)))
+    await agent.handle_desired(
+        env.desired(2, stable, canary=CanarySpec.of(env.publish("1.1.0"), policy))
+    )
     probes = len(manager.slot("digits").canary.results)
     failing["1.1.0"][0].armed = True
     assert await until_out_of_rotation("1.1.0") == 30 - probes
 
     # max_error_rate 0.5 (not the default 0.05): after 20 good requests the canary stays in
     # until more than half of its window failed.
-    await agent.handle_desired(env.desired(3, stable, canary=CanarySpec.of(
-        env.publish("1.2.0"), policy)))
+    await agent.handle_desired(
+        env.desired(3, stable, canary=CanarySpec.of(env.publish("1.2.0"), policy))
+    )
     for _ in range(20):
         assert (await answer(manager, env.digits))[0] == "1.2.0"
     good = len(manager.slot("digits").canary.results)
@@ -345,8 +361,16 @@ async def test_canary_beside_stable_then_removed(env: Env) -> None:
     # committed, every answer from stable
     before = len(sink.events)
     policy = CanaryPolicy(weight=0.0, max_error_rate=0.5, min_requests=7)
-    await agent.handle_desired(env.repo.desired(3, [DesiredModel(
-        name="digits", stable=stable, canary=CanarySpec.of(canary.target, policy))]))
+    await agent.handle_desired(
+        env.repo.desired(
+            3,
+            [
+                DesiredModel(
+                    name="digits", stable=stable, canary=CanarySpec.of(canary.target, policy)
+                )
+            ],
+        )
+    )
     assert len(sink.events) == before
     assert {(await answer(manager, env.digits))[0] for _ in range(20)} == {"1.0.0"}
     assert agent.store.index("digits").canary.policy == policy
@@ -559,7 +583,7 @@ class FlakyTransport(FileRepoTransport):
         return super().download(url, dest, length=length, progress=progress)
 
     def _path(self, url: str) -> Path:
-        return self.root / url[len(self.root.as_uri()) + 1:]
+        return self.root / url[len(self.root.as_uri()) + 1 :]
 
 
 async def test_transport_errors_retry_and_resume_then_give_up(file_env: Env) -> None:

@@ -22,15 +22,26 @@ def test_every_package_folder_is_listed_under_mcp_edge() -> None:
     setuptools = _setuptools()
     mapping: dict[str, str] = dict(setuptools["package-dir"])  # type: ignore[arg-type]
     listed = set(setuptools["packages"])  # type: ignore[arg-type]
+    # A folder is named by the most specific mapping that holds it (shared/client is
+    # mcp_edge.client, never also mcp_edge.shared.client).
+    roots = {(REPO / folder).resolve(): package for package, folder in mapping.items()}
     on_disk: set[str] = set()
-    for package, folder in mapping.items():
-        root = REPO / folder
+    for root in roots:
         for init in root.rglob("__init__.py"):
-            rel = init.parent.relative_to(root).parts
-            on_disk.add(".".join((package, *rel)))
+            folder = init.parent.resolve()
+            owner = max((r for r in roots if folder.is_relative_to(r)), key=lambda r: len(r.parts))
+            on_disk.add(".".join((roots[owner], *folder.relative_to(owner).parts)))
     assert on_disk - listed == set(), "package folders missing from pyproject.toml packages"
     assert listed - on_disk == set(), "pyproject.toml lists packages that do not exist"
     assert all(p.startswith("mcp_edge.") for p in listed)
+
+
+def test_the_application_client_installs_as_mcp_edge_client_only() -> None:
+    setuptools = _setuptools()
+    mapping: dict[str, str] = dict(setuptools["package-dir"])  # type: ignore[arg-type]
+    listed = set(setuptools["packages"])  # type: ignore[arg-type]
+    assert mapping["mcp_edge.client"] == "shared/client"
+    assert "mcp_edge.client" in listed and "mcp_edge.shared.client" not in listed
 
 
 def test_console_scripts_point_into_mcp_edge() -> None:

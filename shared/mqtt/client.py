@@ -1,26 +1,19 @@
-"""The agent's one MQTT adapter: paho-mqtt 2.x (MQTT 5) made async, after aiomqtt.
+"""The MQTT client: paho-mqtt 2.x (MQTT 5) made async, after aiomqtt.
 
-Shape (STYLE 6):
-
-- :class:`MqttClient` is long-lived; each :meth:`MqttClient.connect` opens one connection
-  with a fresh paho client whose socket is watched by the asyncio loop (``add_reader`` /
-  ``add_writer``), so packets are read and written on the event loop thread and no paho thread
-  runs. The blocking TCP/TLS connect runs in the default executor; the paho callbacks it
-  triggers there cross into the loop with ``loop.call_soon_threadsafe``.
-- TCP_NODELAY is set on the socket as soon as it opens (DESIGN 8: Nagle turned a 0.3 ms QoS 1
-  round trip into 44-88 ms).
-- MQTT 5, ``clean_start=False`` with a Session Expiry Interval (a persistent session), a
-  keep-alive, an optional will and TLS context, username/password/client id.
+- :class:`MqttClient` is long-lived; each :meth:`MqttClient.connect` opens one
+  :class:`~mcp_edge.shared.mqtt.connection.Connection` with a fresh paho client whose socket
+  the asyncio loop watches, so packets are read and written on the event loop thread and no
+  paho thread runs.
 - Each pending QoS 1 publish and (un)subscribe has a future keyed by its packet id, removed in
   ``finally``/a done callback; a lost connection fails them all with
-  :class:`MqttConnectionLostError` (one socket's machinery: :mod:`agent.fleet.mqtt_connection`).
+  :class:`MqttConnectionLostError`.
 - Subscriptions are remembered, once per filter, and restored in one SUBSCRIBE after every
   connect, before :meth:`connect` returns, so a caller publishes its birth message after the
-  subscriptions are back (Home Assistant's order). The caller owns reconnecting, using
-  :class:`Backoff` (exponential, full jitter).
-
-Settings, messages, errors (the tree is drawn in :mod:`agent.fleet.mqtt_types`) and
-:class:`Backoff` are importable from here too.
+  subscriptions are back (Home Assistant's order). The restored hook runs inside the read that
+  brought the SUBACK, before the retained messages that follow it.
+- Messages go to a handler called on the loop inside the read (:meth:`set_handler`), or to
+  :meth:`messages`. The client does not reconnect by itself:
+  :class:`~mcp_edge.shared.mqtt.session.Session` does.
 """
 
 from __future__ import annotations
@@ -30,32 +23,27 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import paho.mqtt.client as paho
-
-from mcp_edge.agent.fleet.mqtt_connection import Connection
-from mcp_edge.agent.fleet.mqtt_types import (
-    RC_NO_MATCHING_SUBSCRIBERS,
-    Backoff,
-    ConnectResult,
-    InboundMessage,
-    MqttConnectError,
+from mcp_edge.shared.mqtt.connection import Connection, Refusals
+from mcp_edge.shared.mqtt.errors import (
     MqttConnectionLostError,
     MqttError,
     MqttRefusedError,
-    MqttSettings,
     MqttTimeoutError,
+)
+from mcp_edge.shared.mqtt.values import (
+    ConnectResult,
+    InboundMessage,
+    MqttSettings,
     Subscription,
-    Will,
-    parse_host_port,
+    tcp_nodelay_of,
 )
 
-__all__ = [
-    "RC_NO_MATCHING_SUBSCRIBERS", "Backoff", "ConnectResult", "InboundMessage", "MqttClient",
-    "MqttConnectError", "MqttConnectionLostError", "MqttError", "MqttRefusedError",
-    "MqttSettings", "MqttTimeoutError", "Subscription", "Will", "parse_host_port",
-]  # fmt: skip
+log = logging.getLogger("mcp.mqtt")
 
-log = logging.getLogger("mcp.agent.mqtt")
+MessageHandler = Callable[[InboundMessage], None]
+"""Called on the loop, inside the read, with each message; must not block or raise."""
+RestoredHook = Callable[[tuple[str, ...]], None]
+"""Called on the loop with the refused filters once the subscriptions are back after a connect."""
 
 
 class MqttClient:
@@ -70,7 +58,8 @@ class MqttClient:
         self._subs: dict[str, Subscription] = {}
         self._conn: Connection | None = None
         self._queue: asyncio.Queue[InboundMessage | None] | None = None
-        self._handler: Callable[[InboundMessage], None] | None = None
+        self._handler: MessageHandler | None = None
+        self._restored: RestoredHook | None = None
         self.dropped_messages = 0
         """Inbound messages dropped because the queue was full or the topic was not UTF-8."""
 
@@ -79,9 +68,15 @@ class MqttClient:
         return self._conn is not None and self._conn.up
 
     @property
+    def where(self) -> str:
+        return self.settings.where
+
+    @property
     def tcp_nodelay(self) -> bool:
-        """Whether TCP_NODELAY is on for the current connection's socket."""
-        return self._conn is not None and self._conn.nodelay
+        """Whether TCP_NODELAY is on for the current connection's socket (read from it)."""
+        return (
+            self.connected and self._conn is not None and tcp_nodelay_of(self._conn.client.socket())
+        )
 
     @property
     def subscriptions(self) -> tuple[Subscription, ...]:
@@ -91,26 +86,34 @@ class MqttClient:
     async def connect(self) -> ConnectResult:
         """Open a connection, wait for CONNACK and restore the remembered subscriptions.
 
-        Raises :class:`MqttConnectError` (nothing is left open) or
-        :class:`MqttConnectionLostError` when the connection drops while restoring.
+        Raises :class:`MqttConnectError` (nothing is left open),
+        :class:`MqttConnectionLostError` when the connection drops while restoring, or
+        :class:`MqttTimeoutError` when the SUBACK does not come.
         """
         if self._conn is not None and not self._conn.closed.done():
             raise MqttError("already connected; disconnect first")
         if self._queue is None:
             self._queue = asyncio.Queue()
-        conn = self._conn = Connection(self.settings, self._received)
+        conn = self._conn = Connection(self.settings, self._received, self._undecodable)
         session_present = await conn.open()
-        refused: list[tuple[str, Any]] = []
+        refused: Refusals = []
         if self._subs:
-            refused = await conn.subscribe(list(self._subs.values()))
-        for f, rc in refused:
-            log.warning("broker refused the subscription %s: %s", f, rc)
-        return ConnectResult(session_present, tuple(f for f, _ in refused))
+            refused = await conn.subscribe(list(self._subs.values()), self._on_restored)
+        else:
+            self._on_restored([])
+        for f, _, reason in refused:
+            log.warning("%s refused the subscription %s: %s", conn.where, f, reason)
+        return ConnectResult(session_present, tuple(f for f, _, _ in refused))
 
-    async def disconnect(self, timeout_s: float = 5.0) -> None:
-        """Send DISCONNECT (the will is not published) and close. Never raises."""
+    async def disconnect(
+        self, timeout_s: float = 5.0, *, session_expiry_s: int | None = None
+    ) -> None:
+        """Send DISCONNECT (the will is not published) and close. Never raises.
+
+        ``session_expiry_s`` 0 ends the session at the broker now instead of at its expiry.
+        """
         if self._conn is not None:
-            await self._conn.disconnect(timeout_s)
+            await self._conn.disconnect(timeout_s, session_expiry_s)
 
     async def wait_disconnected(self) -> str:
         """Wait until the current connection is gone; return why. Immediate when not connected."""
@@ -118,9 +121,9 @@ class MqttClient:
             return "never connected"
         return await asyncio.shield(self._conn.closed)
 
-    async def close(self) -> None:
-        """Disconnect and end :meth:`messages` iterations."""
-        await self.disconnect()
+    async def close(self, *, session_expiry_s: int | None = None) -> None:
+        """Disconnect (see :meth:`disconnect`) and end :meth:`messages` iterations."""
+        await self.disconnect(session_expiry_s=session_expiry_s)
         if self._queue is not None:
             self._queue.put_nowait(None)
 
@@ -150,14 +153,39 @@ class MqttClient:
 
         Messages published in order are sent in order. The future fails with
         :class:`MqttRefusedError` (reason >= 0x80) or :class:`MqttConnectionLostError`.
-        Raises :class:`MqttConnectionLostError` at once when not connected.
+        Raises :class:`MqttConnectionLostError` at once when not connected, and
+        :class:`MqttRefusedError` for a message paho will not send (too large, bad topic).
         """
-        if self._conn is None:
-            raise MqttConnectionLostError("not connected to the broker")
-        return self._conn.publish(
+        fut = self._connection().publish(
             topic, payload, qos, retain, response_topic=response_topic,
             correlation_data=correlation_data, user_properties=user_properties,
             content_type=content_type, message_expiry_s=message_expiry_s,
+        )  # fmt: skip
+        assert fut is not None
+        return fut
+
+    def send(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int = 0,
+        retain: bool = False,
+        *,
+        response_topic: str | None = None,
+        correlation_data: bytes | None = None,
+        user_properties: Sequence[tuple[str, str]] = (),
+        message_expiry_s: int | None = None,
+    ) -> None:
+        """Send a PUBLISH and forget it: no future, the acknowledgement is not waited for (for
+        high-rate replies whose delivery the requester checks itself). From a message handler
+        it goes out with the acknowledgements of the read that brought the request.
+
+        Raises like :meth:`publish_nowait`.
+        """
+        self._connection().publish(
+            topic, payload, qos, retain, track=False, response_topic=response_topic,
+            correlation_data=correlation_data, user_properties=user_properties,
+            message_expiry_s=message_expiry_s,
         )  # fmt: skip
 
     async def publish(
@@ -178,13 +206,21 @@ class MqttClient:
         fut = self.publish_nowait(topic, payload, qos, retain, **properties)
         if fut.done():
             return fut.result()
+        timeout = timeout_s or self.settings.ack_timeout_s
         try:
-            return await asyncio.wait_for(fut, timeout_s or self.settings.ack_timeout_s)
+            return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise MqttTimeoutError(f"no PUBACK for {topic!r:.80}") from None
+            raise MqttTimeoutError(
+                f"no PUBACK from the broker at {self.where} for {topic!r:.80} within {timeout} s"
+            ) from None
         finally:
             if not fut.done():
                 fut.cancel()  # its done callback removes the packet id's entry
+
+    def _connection(self) -> Connection:
+        if self._conn is None:
+            raise MqttConnectionLostError(f"not connected to the broker at {self.where}")
+        return self._conn
 
     # ------------------------------------------------------------------ subscribe
     async def subscribe(self, *subs: Subscription | str) -> None:
@@ -198,22 +234,31 @@ class MqttClient:
             self._subs[s.topic_filter] = s
         if not items or not self.connected:
             return
-        assert self._conn is not None
-        refused = await self._conn.subscribe(items)
+        refused = await self._connection().subscribe(items)
         if refused:
-            for f, _ in refused:
+            for f, _, _ in refused:
                 self._subs.pop(f, None)
             raise MqttRefusedError(
-                "broker refused " + ", ".join(f"{f} ({rc})" for f, rc in refused),
-                refused[0][1].value,
+                "broker refused " + ", ".join(f"{f} ({why})" for f, _, why in refused),
+                refused[0][1],
             )
 
     async def unsubscribe(self, *filters: str) -> None:
         """Forget the filters and unsubscribe now if connected."""
         known = [f for f in filters if self._subs.pop(f, None) is not None]
         if known and self.connected:
-            assert self._conn is not None
-            await self._conn.unsubscribe(known)
+            await self._connection().unsubscribe(known)
+
+    def set_restored_hook(self, hook: RestoredHook | None) -> None:
+        """Call ``hook`` with the refused filters each time the subscriptions were restored after
+        a connect: on the loop inside the read that brought the SUBACK, before any message that
+        follows it (the retained ones); right after CONNACK when there are none. It must not
+        block and must not raise."""
+        self._restored = hook
+
+    def _on_restored(self, refused: Refusals) -> None:
+        if self._restored is not None:
+            self._restored(tuple(f for f, _, _ in refused))
 
     # ------------------------------------------------------------------ receive
     async def messages(self) -> AsyncIterator[InboundMessage]:
@@ -226,41 +271,29 @@ class MqttClient:
                 return
             yield msg
 
-    def set_handler(self, handler: Callable[[InboundMessage], None] | None) -> None:
-        """Deliver messages by calling ``handler`` on the loop as each arrives, instead of
-        through :meth:`messages` (one loop turn less on a request/response path). The handler
-        must not block and must not raise; it typically starts a task."""
+    def set_handler(self, handler: MessageHandler | None) -> None:
+        """Deliver messages by calling ``handler`` on the loop as each arrives, inside the read
+        (one loop turn less on a request/response path; what it publishes goes out with the
+        read's acknowledgements), instead of through :meth:`messages`. The handler must not
+        block; an exception it raises is logged."""
         self._handler = handler
 
-    def _received(self, m: paho.MQTTMessage) -> None:
-        try:
-            topic = m.topic
-        except UnicodeDecodeError:
-            self.dropped_messages += 1
-            log.warning("dropped a message whose topic is not UTF-8")
-            return
-        props = m.properties
-        msg = InboundMessage(
-            topic=topic,
-            payload=bytes(m.payload),
-            qos=m.qos,
-            retain=bool(m.retain),
-            response_topic=getattr(props, "ResponseTopic", None),
-            correlation_data=getattr(props, "CorrelationData", None),
-            user_properties=tuple(getattr(props, "UserProperty", ()) or ()),
-            content_type=getattr(props, "ContentType", None),
-        )
+    def _undecodable(self) -> None:
+        self.dropped_messages += 1
+        log.warning("dropped a message whose topic is not UTF-8")
+
+    def _received(self, msg: InboundMessage) -> None:
         if self._handler is not None:
             try:
                 self._handler(msg)
             except Exception:
-                log.exception("message handler failed on %.120s", topic)
+                log.exception("message handler failed on %.120s", msg.topic)
             return
         q = self._queue
         if q is None:
             return
         if q.qsize() >= self.settings.max_queued_messages:
             self.dropped_messages += 1
-            log.warning("inbound queue full (%d); dropped a message on %s", q.qsize(), topic)
+            log.warning("inbound queue full (%d); dropped a message on %s", q.qsize(), msg.topic)
             return
         q.put_nowait(msg)

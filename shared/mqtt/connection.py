@@ -1,17 +1,21 @@
 """One MQTT connection: a fresh paho-mqtt 2.x client whose socket the asyncio loop watches.
 
 :class:`Connection` lives for one socket. paho reads and writes on the event loop thread
-(``add_reader`` calls ``loop_read``, reading the socket in 64 KiB chunks; queued packets are
-written in the same loop turn, with ``add_writer`` only while the socket is full; a task calls
-``loop_misc`` every second for keep-alive pings and the dead-connection check), so no paho
-thread runs. Only
-the blocking TCP/TLS connect runs in the default executor; the callbacks paho makes there cross
-into the loop with ``loop.call_soon_threadsafe``. TCP_NODELAY is set the moment the socket
-opens; a socket that connected to itself (nothing listened on the broker's port and the kernel
-picked that port as our source: :mod:`shared.netutil`) is reset at once, never watched, and the
-connect fails with :class:`MqttConnectError`. Each QoS 1 publish and (un)subscribe waits on a
-future keyed by its packet id; the entry is removed when the future completes, and a lost
-connection fails them all with :class:`MqttConnectionLostError`. :class:`agent.fleet.mqtt.MqttClient` is the public face.
+(``add_reader`` calls ``loop_read``, which reads the socket in 64 KiB chunks through
+:mod:`mcp_edge.shared.mqtt._paho`; queued packets are written in the same loop turn, with
+``add_writer`` only while the socket is full; a task calls ``loop_misc`` every second for
+keep-alive pings and the dead-connection check), so no paho thread runs and a message handler
+runs inside the read that brought the message: the acknowledgements and replies of everything
+one read brought in go out in one write. Only the blocking TCP/TLS connect runs in the default
+executor; the callbacks paho makes there cross into the loop with
+``loop.call_soon_threadsafe``. TCP_NODELAY is set the moment the socket opens; a socket that
+connected to itself (nothing listened on the broker's port and the kernel picked that port as
+our source: :mod:`mcp_edge.shared.netutil`) is reset at once, never watched, and the connect
+fails with :class:`MqttConnectError`. Each QoS 1 publish and (un)subscribe waits on a future
+keyed by its packet id; the entry is removed when the future completes, and a lost connection
+fails them all with :class:`MqttConnectionLostError`. paho's exceptions and return codes are
+translated here (:mod:`mcp_edge.shared.mqtt.errors`). :class:`mcp_edge.shared.mqtt.client.
+MqttClient` is the public face.
 """
 
 from __future__ import annotations
@@ -30,40 +34,52 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from mcp_edge.agent.fleet.mqtt_types import (
+from mcp_edge.shared.mqtt._paho import ChunkedClient
+from mcp_edge.shared.mqtt.errors import (
+    RC_PACKET_REFUSED,
     MqttConnectError,
     MqttConnectionLostError,
     MqttError,
     MqttRefusedError,
-    MqttSettings,
     MqttTimeoutError,
-    Subscription,
-    set_tcp_nodelay,
 )
+from mcp_edge.shared.mqtt.properties import EncodedProperties, encode_publish_properties
+from mcp_edge.shared.mqtt.values import InboundMessage, MqttSettings, Subscription, set_tcp_nodelay
 from mcp_edge.shared.netutil import close_with_reset, is_self_connected
-from mcp_edge.shared.recvbuffer import ChunkedReads
 
-log = logging.getLogger("mcp.agent.mqtt")
+log = logging.getLogger("mcp.mqtt")
 _MISC_INTERVAL_S = 1.0
+
+Refusals = list[tuple[str, int, str]]
+"""Filters the broker refused: ``(filter, reason code, reason name)``."""
+SubackHook = Callable[[Refusals], None]
 
 
 class Connection:
     """One connection's paho client and everything waiting on it."""
 
     def __init__(
-        self, settings: MqttSettings, on_message: Callable[[paho.MQTTMessage], None]
+        self,
+        settings: MqttSettings,
+        on_message: Callable[[InboundMessage], None],
+        on_undecodable: Callable[[], None],
     ) -> None:
         self.settings = settings
+        self.where = f"the broker at {settings.where}"
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._on_message = on_message
+        self._on_undecodable = on_undecodable
         self.connack: asyncio.Future[tuple[bool, ReasonCode]] = self.loop.create_future()
         self.closed: asyncio.Future[str] = self.loop.create_future()
         self.pending: dict[int, asyncio.Future[Any]] = {}
+        self._suback_hooks: dict[int, tuple[Sequence[Subscription], SubackHook]] = {}
         self.fd: int | None = None
         self.writing = False  # watching for writability: the socket's send buffer was full
         self._write_scheduled = False
+        self._reading = False  # inside loop_read: paho holds its callback lock, writes must wait
         self.nodelay = False
         self.self_connected = False  # set on the connect's executor thread, read after it
         self._misc_task: asyncio.Task[None] | None = None
@@ -92,7 +108,7 @@ class Connection:
             bind_address=bind_address, bind_port=bind_port, clean_start=s.clean_start,
             properties=props,
         )  # fmt: skip
-        where = f"{s.host}:{s.port}"
+        where = self.where
         try:
             try:
                 await self.loop.run_in_executor(None, connect)
@@ -118,24 +134,32 @@ class Connection:
                     f"{where} sent no CONNACK within {s.connect_timeout_s} s"
                 ) from None
             except MqttError as e:
-                raise MqttConnectError(f"connection to {where} closed: {e}") from e
+                raise MqttConnectError(f"cannot connect to {where}: {e}") from e
             if rc.is_failure:
-                raise MqttConnectError(f"{where} refused the connection: {rc}", rc.value)
+                raise MqttConnectError(f"{where} refused the login: {rc}", rc.value, str(rc))
         except BaseException as e:
             self.teardown(f"connect failed: {e}")
             raise
         self._misc_task = self.loop.create_task(self._misc(), name="mqtt-keepalive")
         return bool(session_present)
 
-    async def disconnect(self, timeout_s: float) -> None:
-        """Send DISCONNECT (the will is not published) and close. Never raises."""
+    async def disconnect(self, timeout_s: float, session_expiry_s: int | None = None) -> None:
+        """Send DISCONNECT (the will is not published) and close. Never raises.
+
+        ``session_expiry_s`` replaces the session's expiry at the broker: 0 ends it now.
+        """
         if self.closed.done():
             return
         try:
-            self.client.disconnect()
+            props = None
+            if session_expiry_s is not None and self.settings.session_expiry_s > 0:
+                # MQTT 5 forbids raising the expiry from 0 at DISCONNECT; lowering it is fine.
+                props = Properties(PacketTypes.DISCONNECT)  # type: ignore[no-untyped-call]
+                props.SessionExpiryInterval = session_expiry_s
+            self.client.disconnect(properties=props)
             self.flush()
             await asyncio.wait_for(asyncio.shield(self.closed), timeout_s)
-        except (asyncio.TimeoutError, OSError):
+        except (asyncio.TimeoutError, OSError, MqttError):
             pass
         finally:
             self.teardown("disconnected")
@@ -149,12 +173,13 @@ class Connection:
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
-        err = MqttConnectionLostError(f"connection lost: {why}")
+        err = MqttConnectionLostError(f"connection to {self.where} lost: {why}")
         for fut in [self.connack, *self.pending.values()]:
             if not fut.done():
                 fut.set_exception(err)
                 fut.exception()  # retrieved: no "exception was never retrieved" warning
         self.pending.clear()
+        self._suback_hooks.clear()
         if not self.closed.done():
             self.closed.set_result(why)
 
@@ -166,15 +191,17 @@ class Connection:
         qos: int,
         retain: bool,
         *,
+        track: bool = True,
         response_topic: str | None = None,
         correlation_data: bytes | None = None,
         user_properties: Sequence[tuple[str, str]] = (),
         content_type: str | None = None,
         message_expiry_s: int | None = None,
-    ) -> asyncio.Future[int]:
-        """See :meth:`agent.fleet.mqtt.MqttClient.publish_nowait`."""
+    ) -> asyncio.Future[int] | None:
+        """See :meth:`mcp_edge.shared.mqtt.client.MqttClient.publish_nowait`; with ``track``
+        False no future is made (None is returned) and the acknowledgement is not waited for."""
         if not self.up:
-            raise MqttConnectionLostError("not connected to the broker")
+            raise MqttConnectionLostError(f"not connected to {self.where}")
         props: Any = None
         if response_topic or correlation_data is not None or user_properties or content_type \
                 or message_expiry_s:  # fmt: skip
@@ -185,29 +212,53 @@ class Connection:
                     message_expiry_s=message_expiry_s,
                 ))  # fmt: skip
             except ValueError as e:
-                raise MqttRefusedError(f"cannot publish on {topic!r:.80}: {e}", 0x99) from e
+                raise MqttRefusedError(
+                    f"cannot publish on {topic!r:.80}: {e}", RC_PACKET_REFUSED
+                ) from e
         try:
             info = self.client.publish(topic, payload, qos, retain, props)
         except ValueError as e:
-            raise MqttRefusedError(f"cannot publish on {topic!r:.80}: {e}", 0x99) from e
+            raise MqttRefusedError(
+                f"cannot publish on {topic!r:.80}: {e}", RC_PACKET_REFUSED
+            ) from e
         if info.rc != paho.MQTT_ERR_SUCCESS:
-            raise MqttConnectionLostError(f"publish failed: {paho.error_string(info.rc)}")
-        fut: asyncio.Future[int] = self.loop.create_future()
-        if qos == 0:
-            fut.set_result(0)
-        else:
-            self.pending[info.mid] = fut
-            fut.add_done_callback(functools.partial(self._forget, info.mid))
+            raise MqttConnectionLostError(
+                f"cannot publish on {topic!r:.80}: {paho.error_string(info.rc)}"
+            )
+        fut: asyncio.Future[int] | None = None
+        if track:
+            fut = self.loop.create_future()
+            if qos == 0:
+                fut.set_result(0)
+            else:
+                self.pending[info.mid] = fut
+                fut.add_done_callback(functools.partial(self._forget, info.mid))
         self.flush()
         return fut
 
-    async def subscribe(self, items: list[Subscription]) -> list[tuple[str, ReasonCode]]:
-        """Send one SUBSCRIBE; return the filters the broker refused with their reasons."""
-        rc, mid = self.client.subscribe([(s.topic_filter, s.options()) for s in items])
+    async def subscribe(
+        self, items: Sequence[Subscription], on_suback: SubackHook | None = None
+    ) -> Refusals:
+        """Send one SUBSCRIBE; return the filters the broker refused with their reasons.
+
+        ``on_suback`` is called with the same list on the loop inside the read that brought
+        the SUBACK, before any message that follows it (e.g. a retained one) is handled.
+        Raises :class:`MqttConnectionLostError` or :class:`MqttTimeoutError`.
+        """
+        subs = [
+            (s.topic_filter, SubscribeOptions(qos=s.qos, retainHandling=s.retain_handling))
+            for s in items
+        ]
+        rc, mid = self.client.subscribe(subs)
         if rc != paho.MQTT_ERR_SUCCESS or mid is None:
             raise MqttConnectionLostError(f"subscribe failed: {paho.error_string(rc)}")
-        codes: list[ReasonCode] = await self._await_ack(mid, "SUBACK")
-        return [(s.topic_filter, c) for s, c in zip(items, codes, strict=False) if c.is_failure]
+        if on_suback is not None:
+            self._suback_hooks[mid] = (items, on_suback)
+        try:
+            codes: list[ReasonCode] = await self._await_ack(mid, "SUBACK")
+        finally:
+            self._suback_hooks.pop(mid, None)
+        return _refusals(items, codes)
 
     async def unsubscribe(self, filters: list[str]) -> None:
         rc, mid = self.client.unsubscribe(filters)
@@ -223,7 +274,7 @@ class Connection:
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except asyncio.TimeoutError:
-            raise MqttTimeoutError(f"no {what} within {timeout} s") from None
+            raise MqttTimeoutError(f"no {what} from {self.where} within {timeout} s") from None
         finally:
             self.pending.pop(mid, None)
 
@@ -232,7 +283,13 @@ class Connection:
             del self.pending[mid]
 
     def flush(self) -> None:
-        """Write queued packets now; watch for writability only while the socket is full."""
+        """Write queued packets now; watch for writability only while the socket is full.
+
+        Inside a read (a handler publishing) nothing is written: paho's writer takes the lock
+        its message callback holds, and the read ends with one write for everything anyway.
+        """
+        if self._reading:
+            return
         self._write_scheduled = False
         fd = self.fd
         if fd is None:
@@ -248,15 +305,16 @@ class Connection:
                 self.loop.remove_writer(fd)
 
     # ------------------------------------------------------------------ paho wiring
-    def _new_client(self) -> _ChunkedClient:
+    def _new_client(self) -> ChunkedClient:
         s = self.settings
-        client = _ChunkedClient(
+        client = ChunkedClient(
             CallbackAPIVersion.VERSION2, client_id=s.client_id, protocol=paho.MQTTv5,
             reconnect_on_failure=False,
         )  # fmt: skip
-        client.suppress_exceptions = True
-        client.enable_logger(logging.getLogger("mcp.agent.mqtt.paho"))
+        client.suppress_exceptions = True  # a failing callback is logged, never unwinds a read
+        client.enable_logger(logging.getLogger("mcp.mqtt.paho"))
         client.connect_timeout = s.connect_timeout_s
+        client.max_inflight_messages_set(s.max_inflight_messages)
         if s.username is not None:
             client.username_pw_set(s.username, s.password)
         if s.tls is not None:
@@ -264,32 +322,20 @@ class Connection:
         if s.will is not None:
             w = s.will
             client.will_set(w.topic, w.payload, w.qos, w.retain)
-        on = self._in_loop
-        client.on_socket_open = lambda _c, _u, sock: self._opened(sock)
-        client.on_socket_close = lambda _c, _u, _s: on(self._unwatch)
-        client.on_socket_register_write = lambda _c, _u, _s: on(self._write_soon)
-        client.on_connect = lambda _c, _u, flags, rc, _p: on(
-            _resolve, self.connack, (flags.session_present, rc)
-        )
-        client.on_disconnect = lambda _c, _u, _f, rc, _p: on(self.teardown, str(rc))
-        client.on_publish = lambda _c, _u, mid, rc, _p: on(self._acked, mid, rc)
-        client.on_subscribe = lambda _c, _u, mid, codes, _p: on(
-            _resolve, self.pending.get(mid), list(codes)
-        )
-        client.on_unsubscribe = lambda _c, _u, mid, codes, _p: on(
-            _resolve, self.pending.get(mid), codes
-        )
-        client.on_message = lambda _c, _u, m: on(self._on_message, m)
+        client.on_socket_open = self._cb_socket_open
+        client.on_socket_close = self._cb_socket_close
+        client.on_socket_register_write = self._cb_register_write
+        client.on_connect = self._cb_connect
+        client.on_disconnect = self._cb_disconnect
+        client.on_publish = self._cb_publish
+        client.on_subscribe = self._cb_subscribe
+        client.on_unsubscribe = self._cb_unsubscribe
+        client.on_message = self._cb_message
         return client
 
-    def _in_loop(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn`` on the loop thread: directly there, else via call_soon_threadsafe."""
-        if threading.get_ident() == self._loop_thread:
-            fn(*args)
-        elif not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(fn, *args)
-
-    def _opened(self, sock: Any) -> None:
+    # paho's callbacks: on the loop thread (inside loop_read/loop_write/loop_misc), except
+    # those the executor's connect makes (socket open, first write), which cross with _in_loop.
+    def _cb_socket_open(self, _c: paho.Client, _u: Any, sock: Any) -> None:
         if is_self_connected(sock):
             # Reset, not closed: its TIME_WAIT would hold the broker's port for a minute.
             self.self_connected = True
@@ -297,6 +343,61 @@ class Connection:
             return
         self.nodelay = set_tcp_nodelay(sock)
         self._in_loop(self._watch, sock.fileno())
+
+    def _cb_socket_close(self, _c: paho.Client, _u: Any, _sock: Any) -> None:
+        self._in_loop(self._unwatch)
+
+    def _cb_register_write(self, _c: paho.Client, _u: Any, _sock: Any) -> None:
+        self._in_loop(self._write_soon)
+
+    def _cb_connect(
+        self, _c: paho.Client, _u: Any, flags: paho.ConnectFlags, rc: ReasonCode, _p: Any
+    ) -> None:
+        self._in_loop(_resolve, self.connack, (flags.session_present, rc))
+
+    def _cb_disconnect(
+        self, _c: paho.Client, _u: Any, _f: paho.DisconnectFlags, rc: ReasonCode, _p: Any
+    ) -> None:
+        self._in_loop(self.teardown, str(rc))
+
+    def _cb_publish(self, _c: paho.Client, _u: Any, mid: int, rc: ReasonCode, _p: Any) -> None:
+        self._in_loop(self._acked, mid, rc)
+
+    def _cb_subscribe(
+        self, _c: paho.Client, _u: Any, mid: int, codes: list[ReasonCode], _p: Any
+    ) -> None:
+        self._in_loop(self._subscribed, mid, list(codes))
+
+    def _cb_unsubscribe(
+        self, _c: paho.Client, _u: Any, mid: int, codes: list[ReasonCode], _p: Any
+    ) -> None:
+        self._in_loop(_resolve, self.pending.get(mid), codes)
+
+    def _cb_message(self, _c: paho.Client, _u: Any, m: paho.MQTTMessage) -> None:
+        try:
+            topic = m.topic
+        except UnicodeDecodeError:
+            self._on_undecodable()
+            return
+        props = m.properties
+        self._on_message(InboundMessage(
+            topic,
+            bytes(m.payload),  # no copy: paho hands bytes
+            m.qos,
+            bool(m.retain),
+            getattr(props, "ResponseTopic", None),
+            getattr(props, "CorrelationData", None),
+            tuple(getattr(props, "UserProperty", ()) or ()),
+            getattr(props, "ContentType", None),
+        ))  # fmt: skip
+
+    def _in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn`` on the loop thread: directly there, else via call_soon_threadsafe."""
+        if threading.get_ident() == self._loop_thread:
+            fn(*args)
+        elif not self.loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed after the check
+                self.loop.call_soon_threadsafe(fn, *args)
 
     def _watch(self, fd: int) -> None:
         if self.closed.done():
@@ -307,7 +408,7 @@ class Connection:
 
     def _unwatch(self) -> None:
         fd, self.fd = self.fd, None
-        if fd is not None:
+        if fd is not None and not self.loop.is_closed():
             self.loop.remove_reader(fd)
             if self.writing:
                 self.loop.remove_writer(fd)
@@ -322,11 +423,15 @@ class Connection:
 
     def _readable(self) -> None:
         client = self.client
-        client.loop_read()
-        while client.buffered:  # whole packets read but not parsed: no readiness event comes
-            if client.loop_read() != paho.MQTT_ERR_SUCCESS:
-                break
-        self.flush()
+        self._reading = True
+        try:
+            client.loop_read()
+            while client.buffered:  # whole packets read but not parsed: no readiness event
+                if client.loop_read() != paho.MQTT_ERR_SUCCESS:
+                    break
+        finally:
+            self._reading = False
+        self.flush()  # one write for everything the read produced: PUBACKs, replies
 
     async def _misc(self) -> None:
         # Keep-alive pings and the dead-connection check (no PINGRESP within keep-alive).
@@ -340,70 +445,26 @@ class Connection:
         if fut is None or fut.done():
             return
         if rc.is_failure:
-            fut.set_exception(MqttRefusedError(f"broker refused the message: {rc}", rc.value))
+            fut.set_exception(MqttRefusedError(f"{self.where} refused the message: {rc}", rc.value))
         else:
             fut.set_result(rc.value)
 
-
-class _ChunkedClient(ChunkedReads, paho.Client):
-    """paho's client reading its socket in 64 KiB chunks (see shared.recvbuffer)."""
-
-
-class EncodedProperties:
-    """PUBLISH properties we encoded ourselves. paho calls only ``pack()`` (and ``str()`` for
-    debug logs) on the properties of a message it sends; its own :class:`Properties` validates
-    and packs each attribute by scanning every property name, which cost more than the whole
-    broker round trip on the inference path (tens of µs per message)."""
-
-    __slots__ = ("_data",)
-
-    def __init__(self, data: bytes) -> None:
-        self._data = data
-
-    def pack(self) -> bytes:
-        return self._data
-
-    def __str__(self) -> str:
-        return f"<{len(self._data) - 1} bytes of properties>"
+    def _subscribed(self, mid: int, codes: list[ReasonCode]) -> None:
+        hook = self._suback_hooks.pop(mid, None)
+        if hook is not None:
+            try:
+                hook[1](_refusals(hook[0], codes))
+            except Exception:
+                log.exception("a SUBACK hook failed")
+        _resolve(self.pending.get(mid), codes)
 
 
-def encode_publish_properties(
-    *,
-    response_topic: str | None = None,
-    correlation_data: bytes | None = None,
-    user_properties: Sequence[tuple[str, str]] = (),
-    content_type: str | None = None,
-    message_expiry_s: int | None = None,
-) -> bytes:
-    """The MQTT 5 property block of a PUBLISH (length prefix included), in identifier order as
-    paho writes it. Raises ValueError for a string or binary value over 65535 bytes."""
-    out = bytearray()
-    if message_expiry_s:
-        out += b"\x02" + int(message_expiry_s).to_bytes(4, "big")
-    if content_type:
-        out += b"\x03" + _field(content_type.encode())
-    if response_topic:
-        out += b"\x08" + _field(response_topic.encode())
-    if correlation_data is not None:
-        out += b"\x09" + _field(bytes(correlation_data))
-    for key, value in user_properties:
-        out += b"\x26" + _field(key.encode()) + _field(value.encode())
-    return _varint(len(out)) + bytes(out)
-
-
-def _field(data: bytes) -> bytes:
-    if len(data) > 0xFFFF:
-        raise ValueError(f"property value of {len(data)} bytes exceeds 65535")
-    return len(data).to_bytes(2, "big") + data
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+def _refusals(items: Sequence[Subscription], codes: list[ReasonCode]) -> Refusals:
+    return [
+        (s.topic_filter, c.value, str(c))
+        for s, c in zip(items, codes, strict=False)
+        if c.is_failure
+    ]
 
 
 def _resolve(fut: asyncio.Future[Any] | None, value: Any) -> None:

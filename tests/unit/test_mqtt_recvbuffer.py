@@ -1,4 +1,4 @@
-"""``shared.recvbuffer.RecvBuffer``: small reads served from large ones, nothing lost or reordered."""
+"""``shared.mqtt.recvbuffer.RecvBuffer``: small reads served from large ones, nothing lost or reordered."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mcp_edge.shared.recvbuffer import CHUNK, RecvBuffer
+from mcp_edge.shared.mqtt.recvbuffer import CHUNK, RecvBuffer
 
 
 class Stream:

@@ -1,5 +1,7 @@
 """Inference over MQTT for application developers::
 
+    from mcp_edge.client import InferenceClient
+
     async with InferenceClient("broker.local", 1883, client_id="app-1") as c:
         resp = await c.infer("digits", {"input": x}, device=None, timeout_s=5)
         resp.outputs[0].to_numpy()
@@ -41,15 +43,16 @@ from typing import Any
 import numpy as np
 import orjson
 
-from mcp_edge.agent.fleet.mqtt import (
+from mcp_edge.shared.errors import McpError, MessageError
+from mcp_edge.shared.mqtt import (
     RC_NO_MATCHING_SUBSCRIBERS,
+    RETAIN_DO_NOT_SEND,
     InboundMessage,
     MqttClient,
     MqttError,
     MqttSettings,
     Subscription,
 )
-from mcp_edge.shared.errors import McpError, MessageError
 from mcp_edge.shared.protocol import (
     ErrorCode,
     ErrorReply,
@@ -62,7 +65,7 @@ from mcp_edge.shared.protocol import (
     validate,
 )
 
-log = logging.getLogger("mcp.agent.client")
+log = logging.getLogger("mcp.client")
 
 REPLY_GRACE_S = 1.0
 REPLY_HEADER_BYTES = 64 * 1024
@@ -178,7 +181,9 @@ class InferenceClient:
         """Connect and subscribe to the reply topic. Raises :class:`InferenceTransportError`."""
         try:
             self.mqtt.set_handler(self._on_reply)
-            await self.mqtt.subscribe(Subscription(self.reply_topic, qos=1, retain_handling=2))
+            await self.mqtt.subscribe(
+                Subscription(self.reply_topic, qos=1, retain_handling=RETAIN_DO_NOT_SEND)
+            )
             await self.mqtt.connect()
         except MqttError as e:
             raise InferenceTransportError(f"cannot connect: {e}") from e
