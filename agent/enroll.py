@@ -122,7 +122,7 @@ def _store_tuf_root(state_dir: Path, root: dict[str, object]) -> None:
     """Keep the TUF root from the answer as the update agent's trust anchor."""
     import json
 
-    from mcp_edge.agent.update.tuf_client import store_bootstrap_root
+    from mcp_edge.agent.update.trust_root import store_bootstrap_root
 
     try:
         store_bootstrap_root(state_dir, json.dumps(root).encode())

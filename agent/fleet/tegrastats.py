@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mcp_edge.shared.protocol import GpuSample
+from mcp_edge.shared.protocol.reports import GpuReport
 
 log = logging.getLogger("mcp.agent.telemetry")
 
@@ -81,9 +81,9 @@ class TegrastatsReading:
         return None
 
     @property
-    def gpu(self) -> GpuSample:
+    def gpu(self) -> GpuReport:
         """The protocol's GPU figures. Jetson GPUs share system RAM, so no GPU memory figure."""
-        return GpuSample(
+        return GpuReport(
             util_percent=self.gr3d_percent,
             emc_percent=self.emc_percent,
             power_mw=self.gpu_power_mw,

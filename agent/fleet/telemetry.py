@@ -33,11 +33,11 @@ from mcp_edge.agent.fleet.tegrastats import (
     TegrastatsReading,
     parse_tegrastats_line,
 )
-from mcp_edge.shared.protocol import (
-    HealthSample,
-    InferenceStats,
-    LatencySummary,
-    ModelInferenceStats,
+from mcp_edge.shared.protocol.reports import (
+    HealthReport,
+    InferenceReport,
+    LatencyReport,
+    ModelInferenceReport,
 )
 
 log = logging.getLogger("mcp.agent.telemetry")
@@ -52,8 +52,9 @@ MAX_TEMPERATURES = 64
 
 # ------------------------------------------------------------------------------- health
 class HealthCollector:
-    """Builds :class:`HealthSample` readings. ``collect`` is blocking (psutil, sysfs) but fast;
-    the session runs it off the event loop. ``sources`` come from the hardware profile."""
+    """Builds health readings (:class:`HealthReport`, the wire's ``HealthSample``). ``collect`` is
+    blocking (psutil, sysfs) but fast; the session runs it off the event loop. ``sources`` come
+    from the hardware profile."""
 
     def __init__(
         self,
@@ -87,7 +88,7 @@ class HealthCollector:
         if self.tegrastats is not None:
             await self.tegrastats.close()
 
-    def collect(self, device_id: str) -> HealthSample:
+    def collect(self, device_id: str) -> HealthReport:
         """One reading now."""
         vm = psutil.virtual_memory()
         try:
@@ -111,7 +112,7 @@ class HealthCollector:
             gpu = reading.gpu
             for name, value in reading.temperatures_c.items():
                 temps.setdefault(f"tegra/{name}", value)
-        return HealthSample(
+        return HealthReport(
             device_id=device_id,
             ts=now,
             cpu_percent=min(psutil.cpu_percent(None), 100.0 * 1024),
@@ -257,8 +258,9 @@ class InferenceStatsCollector:
 
     def snapshot(
         self, device_id: str, *, now: float | None = None, manager: Any = None
-    ) -> InferenceStats:
-        """Close the window: one :class:`ModelInferenceStats` per version seen or loaded.
+    ) -> InferenceReport:
+        """Close the window: one :class:`ModelInferenceReport` (the wire's ``ModelInferenceStats``)
+        per version seen or loaded.
 
         With ``manager`` (an :class:`agent.runtime.manager.ModelManager`), loaded versions
         without traffic are listed too, with their queue depth, and the stable version carries
@@ -284,12 +286,12 @@ class InferenceStatsCollector:
             latency = None
             if w.reservoir:
                 p50, p95, p99 = np.percentile(np.asarray(w.reservoir), [50, 95, 99])
-                latency = LatencySummary(p50_ms=float(p50), p95_ms=float(p95), p99_ms=float(p99))
+                latency = LatencyReport(p50_ms=float(p50), p95_ms=float(p95), p99_ms=float(p99))
             size_avg, fill = (
                 batch.get(name, (None, None)) if stable.get(name) == version else (None, None)
             )
             models.append(
-                ModelInferenceStats(
+                ModelInferenceReport(
                     model=name,
                     version=_version_text(version),
                     count=w.count,
@@ -303,7 +305,7 @@ class InferenceStatsCollector:
                     batch_fill_ratio=fill,
                 )
             )
-        return InferenceStats(
+        return InferenceReport(
             device_id=device_id,
             ts=time.time() if now is None else now,
             window_s=window_s,

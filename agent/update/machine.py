@@ -1,7 +1,10 @@
-"""The update state machine (DESIGN 4.5): one transition table and the persisted record.
+"""The update state machine (DESIGN 4.5): one transition table and the moves of the record.
 
-Pure: no I/O here. :mod:`agent.update.store` writes records to disk, :mod:`agent.update.steps`
-runs one handler per phase and :mod:`agent.update.updater` drives deployments.
+Pure: no I/O here. The record itself (:class:`~agent.update.records.UpdateRecord`) is defined
+with the other persisted documents in :mod:`agent.update.records`, :mod:`agent.update.store`
+writes it to disk, :mod:`agent.update.steps` runs one handler per phase and
+:mod:`agent.update.updater` drives deployments. Nothing here imports pydantic: an agent with no
+deployment to run never loads it for the update machinery.
 
 One deployment moves one model version into one role (stable, canary or shadow)::
 
@@ -22,13 +25,14 @@ rolls back on the next start.
 from __future__ import annotations
 
 import enum
-from typing import Any, ClassVar
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import TYPE_CHECKING, Any
 
 from mcp_edge.shared.errors import McpError
-from mcp_edge.shared.protocol.canary import CanaryPolicy
-from mcp_edge.shared.protocol.state import DeploymentPhase
+from mcp_edge.shared.protocol.reports import DeploymentPhase
+
+if TYPE_CHECKING:
+    from mcp_edge.agent.update.records import UpdateRecord
+    from mcp_edge.shared.protocol.canary import CanaryPolicy
 
 Phase = DeploymentPhase
 
@@ -135,73 +139,6 @@ class UpdateError(McpError):
         return self.cause.transient
 
 
-class UpdateRecord(BaseModel):
-    """Everything the agent must know to resume or roll back one deployment after a crash.
-
-    Stored as ``{state_dir}/updates/{model}.json``. Times are Unix seconds; ``timings_ms``
-    holds how long each finished phase took, in milliseconds.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    MAX_BYTES: ClassVar[int] = 64 * 1024
-
-    model: str = Field(min_length=1, max_length=128)
-    role: str = Field(pattern=r"^(stable|canary|shadow)$")
-    from_version: str | None = None
-    to_version: str = Field(min_length=1, max_length=128)
-    target_path: str = Field(min_length=1, max_length=512)
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    length: int = Field(gt=0)
-    desired_seq: int = Field(ge=0)
-    rollback: bool = False
-    """The desired state marked this an explicit rollback (may go below the release counter)."""
-    canary: CanaryPolicy | None = None
-    """The policy the version serves under as a canary (None in the other roles)."""
-    phase: Phase = Phase.IDLE
-    failed_phase: Phase | None = None
-    """The working phase the deployment failed in (what the rollback has to undo)."""
-    attempts: int = Field(default=0, ge=0)
-    bytes_done: int = Field(default=0, ge=0)
-    started_at: float = 0.0
-    phase_since: float = 0.0
-    updated_at: float = 0.0
-    timings_ms: dict[str, float] = Field(default_factory=dict)
-    cause: Cause | None = None
-    error: str | None = Field(default=None, max_length=2048)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _flat_canary_fields(cls, data: Any) -> Any:
-        # Records written before the policy was one value held its weight and error budget as
-        # two flat fields; a deployment interrupted across the upgrade resumes with them.
-        if isinstance(data, dict) and ("canary_weight" in data or "max_error_rate" in data):
-            data = dict(data)
-            flat = {"weight": data.pop("canary_weight", None),
-                    "max_error_rate": data.pop("max_error_rate", None)}
-            if data.get("role") == "canary" and data.get("canary") is None:
-                data["canary"] = {k: v for k, v in flat.items() if v is not None}
-        return data
-
-    @property
-    def terminal(self) -> bool:
-        return self.phase in TERMINAL
-
-    @property
-    def interrupted(self) -> bool:
-        """True for a record a crash left mid-deployment."""
-        return self.phase in WORKING or self.phase is Phase.ROLLING_BACK
-
-    def to_bytes(self) -> bytes:
-        return self.model_dump_json(indent=2).encode() + b"\n"
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> UpdateRecord:
-        """Parse a stored record; raises ValueError when it is too large or malformed."""
-        if len(data) > cls.MAX_BYTES:
-            raise ValueError(f"update record of {len(data)} bytes is too large")
-        return cls.model_validate_json(data)
-
-
 def advance(
     record: UpdateRecord,
     trigger: Trigger,
@@ -255,6 +192,8 @@ def new_record(
 ) -> UpdateRecord:
     """A record in ``downloading``: a deployment that has just started (``canary``: the
     policy of a canary deployment)."""
+    from mcp_edge.agent.update.records import UpdateRecord  # pydantic: only once one is made
+
     idle = UpdateRecord(
         model=model, role=role, from_version=from_version, to_version=to_version,
         target_path=target_path, sha256=sha256, length=length, desired_seq=desired_seq,

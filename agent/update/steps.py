@@ -18,6 +18,10 @@ so a record a crash left in a phase can run that phase again:
   index records the new active/canary/shadow, the release counter and the previous version.
 - ``rolling_back``: discard staged files, put the previous version back in service when the new
   one had been swapped in, remove an installed but uncommitted version.
+
+The TUF stack (python-tuf, securesystemslib, cryptography, urllib3: about 10 MiB of RSS) is
+imported by the ``downloading`` and ``verifying`` handlers, not with this module: an agent loads
+it the first time a deployment needs repository metadata, never to serve installed models.
 """
 
 from __future__ import annotations
@@ -27,39 +31,35 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-
-from tuf.api import exceptions as tuf_errors
-from tuf.api.metadata import TargetFile  # type: ignore[attr-defined]  # re-exported
+from typing import TYPE_CHECKING
 
 from mcp_edge.agent.runtime.checks import check_outputs, synthetic_inputs
 from mcp_edge.agent.runtime.manager import ModelManager, ModelNotFoundError, ModelSource
 from mcp_edge.agent.runtime.runner import RunnerError
 from mcp_edge.agent.serving.model_dir import bundle_source, pick_variant
-from mcp_edge.agent.update.machine import (
-    Cause,
-    Phase,
-    Trigger,
-    UpdateError,
-    UpdateRecord,
-    advance,
-)
-from mcp_edge.agent.update.store import CanaryRef, InstallInfo, ModelStore, is_disk_full
+from mcp_edge.agent.update.machine import Cause, Phase, Trigger, UpdateError, advance
+from mcp_edge.agent.update.records import CanaryRef, InstallInfo, UpdateRecord
+from mcp_edge.agent.update.store import ModelStore, is_disk_full
 from mcp_edge.agent.update.transport import RepoTransport
-from mcp_edge.agent.update.tuf_client import TufClient
 from mcp_edge.shared.bundle import BundleManifest, open_bundle
 from mcp_edge.shared.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME
 from mcp_edge.shared.errors import BundleError, SigningError, VersionError
 from mcp_edge.shared.profiles import HardwareProfile
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY
-from mcp_edge.shared.protocol.state import EventOutcome
+from mcp_edge.shared.protocol.reports import EventOutcome
 from mcp_edge.shared.version import SemVer
+
+if TYPE_CHECKING:
+    from tuf.api.metadata import TargetFile
+
+    from mcp_edge.agent.update.tuf_client import TufClient
 
 log = logging.getLogger("mcp.agent.update")
 
 PhaseHook = Callable[[Phase, UpdateRecord], None]
 """Called with each phase right after its record is on disk, before the phase's work."""
 Emit = Callable[..., object]
-"""Records one deployment event (keyword fields of :class:`DeploymentEvent`)."""
+"""Records one deployment event (keyword fields of :class:`shared.protocol.reports.EventReport`)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +198,8 @@ class DeploymentRunner:
                           bytes_done=done)  # fmt: skip
 
         def work() -> None:
+            from tuf.api import exceptions as tuf_errors  # see the module docstring: TUF loads here
+
             tuf = self._tuf_client()
             tuf.refresh()
             info = tuf.target(record.target_path)
@@ -238,6 +240,10 @@ class DeploymentRunner:
     # ------------------------------------------------------------------ verifying
     async def _verify(self, record: UpdateRecord) -> Trigger:
         def work() -> None:
+            from tuf.api.metadata import TargetFile
+
+            from mcp_edge.agent.update.tuf_client import TufClient
+
             have = self.store.installed(record.model, record.to_version)
             if have is not None and have.sha256 == record.sha256:
                 return

@@ -15,6 +15,9 @@ An installed version appears by one rename of a fully written, fsynced directory
 a rename to a hidden ``.trash-`` name before it is deleted, so a version directory that exists
 is always whole. Every JSON file is written atomically (temp file, fsync, rename, directory
 fsync). Nothing here is async: the updater calls it from a worker thread where it may block.
+
+The documents (:mod:`agent.update.records`, pydantic) are imported by the methods that read
+one, so listing an empty store (an agent with nothing deployed) loads no pydantic.
 """
 
 from __future__ import annotations
@@ -28,19 +31,18 @@ import secrets
 import shutil
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from mcp_edge.agent.update.machine import Cause, UpdateError, UpdateRecord
+from mcp_edge.agent.update.machine import Cause, UpdateError
 from mcp_edge.shared.fsutil import atomic_write_bytes, fsync_dir
-from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
+
+if TYPE_CHECKING:
+    from mcp_edge.agent.update.records import InstallInfo, ModelIndex, UpdateRecord
 
 log = logging.getLogger("mcp.agent.update")
 
 INSTALL_INFO = "install.json"
 INDEX = "index.json"
-MAX_JSON_BYTES = 64 * 1024
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
@@ -52,67 +54,6 @@ class DiskUsage(NamedTuple):
 
 DiskUsageFn = Callable[[Path], Any]
 """``shutil.disk_usage``-like: returns an object with ``free`` (bytes)."""
-
-
-class _Stored(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    MAX_BYTES: ClassVar[int] = MAX_JSON_BYTES
-
-    def to_bytes(self) -> bytes:
-        return self.model_dump_json(indent=2).encode() + b"\n"
-
-
-class InstallInfo(_Stored):
-    """``install.json``: what was verified before this version was installed."""
-
-    name: str
-    version: str
-    version_numeric: int = Field(ge=0)
-    variant: str
-    model_file: str
-    target_path: str
-    sha256: str
-    length: int
-    signer_keyid: str | None = None
-    installed_at: float
-
-
-class CanaryRef(_Stored):
-    """The committed canary of a model: its version and the policy it serves under."""
-
-    version: str
-    policy: CanaryPolicy = DEFAULT_CANARY_POLICY
-
-    @model_validator(mode="before")
-    @classmethod
-    def _flat_policy(cls, data: Any) -> Any:
-        # Indexes written before the policy was one value held ``weight`` and
-        # ``max_error_rate`` beside ``version``.
-        if isinstance(data, dict) and "policy" not in data:
-            flat = {k: data[k] for k in ("weight", "max_error_rate") if k in data}
-            if flat:
-                data = {**{k: v for k, v in data.items() if k not in flat}, "policy": flat}
-        return data
-
-
-class ModelIndex(_Stored):
-    """What is committed for one model: the versions serving and the release counter.
-
-    ``release_counter`` is the highest ``version_numeric`` ever activated as stable; a version
-    below it needs an explicit rollback (DESIGN 4.4).
-    """
-
-    name: str
-    active: str | None = None
-    previous: str | None = None
-    canary: CanaryRef | None = None
-    shadow: str | None = None
-    release_counter: int = Field(default=0, ge=0)
-
-    def referenced(self) -> set[str]:
-        """Versions that must stay on disk."""
-        refs = {self.active, self.previous, self.shadow, self.canary.version if self.canary else None}
-        return {v for v in refs if v is not None}
 
 
 def is_disk_full(e: OSError) -> bool:
@@ -173,6 +114,8 @@ class ModelStore:
     # ------------------------------------------------------------------ installed versions
     def installed(self, name: str, version: str) -> InstallInfo | None:
         """The install info of a whole installed version, or None."""
+        from mcp_edge.agent.update.records import InstallInfo
+
         info: InstallInfo | None = _read(self.version_dir(name, version) / INSTALL_INFO, InstallInfo)
         if info is None or (info.name, info.version) != (name, version):
             return None
@@ -258,6 +201,8 @@ class ModelStore:
 
     # ------------------------------------------------------------------ index
     def index(self, name: str) -> ModelIndex:
+        from mcp_edge.agent.update.records import ModelIndex
+
         found = _read(self.model_dir(name) / INDEX, ModelIndex)
         return found if found is not None and found.name == name else ModelIndex(name=name)
 
@@ -281,6 +226,8 @@ class ModelStore:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
+        from mcp_edge.agent.update.records import UpdateRecord
+
         try:
             return UpdateRecord.from_bytes(data)
         except ValueError as e:
@@ -325,7 +272,9 @@ def _safe(part: str) -> str:
     return part
 
 
-def _read(path: Path, model: type[_Stored]) -> Any:
+def _read(path: Path, model: type[InstallInfo | ModelIndex]) -> Any:
+    from mcp_edge.agent.update.records import MAX_JSON_BYTES
+
     try:
         data = path.read_bytes()
     except (FileNotFoundError, NotADirectoryError):
@@ -340,11 +289,4 @@ def _read(path: Path, model: type[_Stored]) -> Any:
         return None
 
 
-__all__ = [
-    "CanaryRef",
-    "DiskUsage",
-    "InstallInfo",
-    "ModelIndex",
-    "ModelStore",
-    "is_disk_full",
-]
+__all__ = ["DiskUsage", "ModelStore", "is_disk_full"]

@@ -2,9 +2,10 @@
 
 Trusted metadata lives in ``{state_dir}/tuf/metadata/`` (ngclient's cache: ``root.json``,
 ``root_history/``, ``timestamp.json``, ``snapshot.json``, ``targets.json``). The trust anchor
-is the root handed out at enrollment, ``{state_dir}/tuf/bootstrap-root.json``; every start
-walks the root chain from it (through the cache, then the repository), so key rotations are
-followed and a forged newer root is refused.
+is the root handed out at enrollment, ``{state_dir}/tuf/bootstrap-root.json``
+(:mod:`agent.update.trust_root`); every refresh walks the root chain from it (through the cache,
+then the repository), so key rotations are followed and a forged newer root is refused. This
+module imports python-tuf: the update agent imports it when a deployment first needs metadata.
 
 Synchronous, like ngclient: the updater calls it from a worker thread. Errors leave as
 :class:`agent.update.machine.UpdateError` with a cause::
@@ -29,51 +30,13 @@ from tuf.ngclient.updater import Updater
 
 from mcp_edge.agent.update.machine import Cause, UpdateError
 from mcp_edge.agent.update.transport import RepoTransport
+from mcp_edge.agent.update.trust_root import load_bootstrap_root, tuf_dir  # noqa: F401
 from mcp_edge.shared.errors import SigningError
-from mcp_edge.shared.fsutil import atomic_write_bytes
 from mcp_edge.shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent.update")
 
 PUBLISHERS_FIELD = "x-mcp-publishers"
-BOOTSTRAP_NAME = "bootstrap-root.json"
-MAX_ROOT_BYTES = 512 * 1024
-
-
-def tuf_dir(state_dir: Path) -> Path:
-    return Path(state_dir) / "tuf"
-
-
-def bootstrap_root_path(state_dir: Path) -> Path:
-    return tuf_dir(state_dir) / BOOTSTRAP_NAME
-
-
-def store_bootstrap_root(state_dir: Path, root: bytes) -> Path:
-    """Keep the enrollment's TUF root as this device's trust anchor (checked to parse as root
-    metadata first). Raises ValueError when it is not TUF root metadata."""
-    if len(root) > MAX_ROOT_BYTES:
-        raise ValueError(f"TUF root of {len(root)} bytes is too large")
-    try:
-        md = Metadata.from_bytes(root)
-    except Exception as e:
-        raise ValueError(f"the trust root is not TUF metadata: {e}") from e
-    if md.signed.type != "root":
-        raise ValueError(f"the trust root is {md.signed.type} metadata, not root")
-    path = bootstrap_root_path(state_dir)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    atomic_write_bytes(path, root)
-    return path
-
-
-def load_bootstrap_root(state_dir: Path) -> bytes | None:
-    path = bootstrap_root_path(state_dir)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    if len(data) > MAX_ROOT_BYTES:
-        raise ValueError(f"{path}: {len(data)} bytes is too large for a TUF root")
-    return data
 
 
 class TufClient:

@@ -3,8 +3,9 @@
 :class:`UpdateAgent` is the fleet session's desired-state handler. For each accepted desired
 state it converges every model's stable, canary and shadow version through the persisted state
 machine (:mod:`agent.update.machine`, handlers in :mod:`agent.update.steps`), publishes a
-:class:`DeploymentEvent` for every step (the flight recorder: ``event_seq`` persisted and
-increasing across restarts) and the :class:`ReportedState` after each change.
+:class:`~shared.protocol.reports.EventReport` (the wire's ``DeploymentEvent``) for every step
+(the flight recorder: ``event_seq`` persisted and increasing across restarts) and the
+:class:`~shared.protocol.reports.StateReport` (``ReportedState``) after each change.
 
 At start, :meth:`UpdateAgent.resume` loads the committed versions (whole install directories
 only), finishes or rolls back deployments a crash interrupted, cleans ``staging/`` and applies
@@ -14,6 +15,13 @@ A desired state is refused (raised as the :class:`shared.errors.McpError` that
 :func:`shared.protocol.state.verify_desired_state` gives) when its signature is not by a
 director key, its ``seq`` is not above the last accepted one (replay) or it has expired
 (freeze); nothing changes then.
+
+What loads when (docs/agent.md "Memory"): this module, the machine's table and the store's file
+layout import neither pydantic nor TUF. The desired-state schema (pydantic) loads with the first
+desired state, the stored documents (:mod:`agent.update.records`) with the first one read or
+written, the phase handlers (:mod:`agent.update.steps`: bundles) with the first deployment or
+installed model, and python-tuf when a deployment first needs repository metadata. Events and
+the reported state are plain values (:mod:`shared.protocol.reports`).
 """
 
 from __future__ import annotations
@@ -28,46 +36,34 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mcp_edge.agent import __version__
 from mcp_edge.agent.runtime.manager import ModelManager
 from mcp_edge.agent.runtime.runner import RunnerError
-from mcp_edge.agent.update.machine import (
-    Cause,
-    Phase,
-    UpdateError,
-    UpdateRecord,
-    advance,
-    new_record,
-)
+from mcp_edge.agent.update.machine import Cause, Phase, UpdateError, advance, new_record
 from mcp_edge.agent.update.machine import Trigger as _Trigger
-from mcp_edge.agent.update.steps import (
-    DeploymentRunner,
-    PhaseHook,
-    RetryPolicy,
-    installed_source,
-    loaded_roles,
-)
 from mcp_edge.agent.update.store import DiskUsageFn, ModelStore
 from mcp_edge.agent.update.transport import RepoTransport
-from mcp_edge.agent.update.tuf_client import TufClient, load_bootstrap_root
+from mcp_edge.agent.update.trust_root import load_bootstrap_root
 from mcp_edge.shared.errors import ExpiredError, McpError, ReplayError, SigningError
 from mcp_edge.shared.fsutil import atomic_write_bytes
 from mcp_edge.shared.profiles import HardwareProfile
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
-from mcp_edge.shared.protocol.state import (
-    DeploymentEvent,
-    DesiredModel,
-    DesiredState,
+from mcp_edge.shared.protocol.reports import (
     EventOutcome,
-    ModelStatus,
-    ReportedState,
-    TargetRef,
-    verify_desired_state,
+    EventReport,
+    ModelStatusReport,
+    StateReport,
 )
 from mcp_edge.shared.protocol.topics import validate_id
 from mcp_edge.shared.signing import PublicKey
+
+if TYPE_CHECKING:
+    from mcp_edge.agent.update.records import UpdateRecord
+    from mcp_edge.agent.update.steps import DeploymentRunner, PhaseHook, RetryPolicy
+    from mcp_edge.agent.update.tuf_client import TufClient
+    from mcp_edge.shared.protocol.state import DesiredModel, DesiredState, TargetRef
 
 log = logging.getLogger("mcp.agent.update")
 
@@ -77,9 +73,9 @@ MAX_DESIRED_FILE = 1024 * 1024
 class UpdateSink(Protocol):
     """Where events and reported states go (the fleet session implements it)."""
 
-    async def publish_event(self, event: DeploymentEvent) -> None: ...
+    async def publish_event(self, event: EventReport) -> None: ...
 
-    async def publish_reported(self, state: ReportedState) -> None: ...
+    async def publish_reported(self, state: StateReport) -> None: ...
 
 
 class FlightRecorder:
@@ -89,16 +85,16 @@ class FlightRecorder:
     def __init__(self, store: ModelStore, device_id: str, clock: Callable[[], float]) -> None:
         self.store, self.device_id, self.clock = store, device_id, clock
         self.sink: UpdateSink | None = None
-        self.recent: collections.deque[DeploymentEvent] = collections.deque(maxlen=256)
-        self._pending: collections.deque[DeploymentEvent] = collections.deque()
+        self.recent: collections.deque[EventReport] = collections.deque(maxlen=256)
+        self._pending: collections.deque[EventReport] = collections.deque()
         self._lock = threading.Lock()
 
     def record(
         self, rec: UpdateRecord, phase: Phase, outcome: EventOutcome, message: str = "", *,
         cause: str | None = None, bytes_done: int | None = None, elapsed_ms: float | None = None,
-    ) -> DeploymentEvent:  # fmt: skip
+    ) -> EventReport:  # fmt: skip
         with self._lock:
-            event = DeploymentEvent(
+            event = EventReport(
                 device_id=self.device_id, event_seq=self.store.next_event_seq(), ts=self.clock(),
                 model=rec.model, version=rec.to_version, phase=phase, outcome=outcome,
                 message=message[:2048], cause=cause, bytes_done=bytes_done,
@@ -108,10 +104,10 @@ class FlightRecorder:
             self._pending.append(event)
         return event
 
-    def refused(self, model: str, version: str, cause: str, message: str) -> DeploymentEvent:
+    def refused(self, model: str, version: str, cause: str, message: str) -> EventReport:
         """Record that a desired state naming ``model`` ``version`` was refused (nothing ran)."""
         with self._lock:
-            event = DeploymentEvent(
+            event = EventReport(
                 device_id=self.device_id, event_seq=self.store.next_event_seq(), ts=self.clock(),
                 model=model, version=version, phase=Phase.IDLE, outcome=EventOutcome.ERROR,
                 message=message[:2048], cause=cause,
@@ -187,11 +183,8 @@ class UpdateAgent:
         self.recorder.sink = events
         root = tuf_root if tuf_root is not None else load_bootstrap_root(self.state_dir)
         self._tuf_root = root
-        self.runner = DeploymentRunner(
-            self.store, manager, profile, self._tuf_client, transport,
-            emit=self.recorder.record, clock=clock, sleep=sleep, retry=retry,
-            phase_hook=phase_hook,
-        )  # fmt: skip
+        self._runner_args = (sleep, retry, phase_hook)
+        self._runner: DeploymentRunner | None = None
         self._lock = asyncio.Lock()
         self._desired_path = self.state_dir / "desired-state.json"
 
@@ -199,10 +192,26 @@ class UpdateAgent:
         """Send events and reported states to ``sink`` from now on (pending events included)."""
         self.recorder.sink = sink
 
+    @property
+    def runner(self) -> DeploymentRunner:
+        """The phase handlers, built (and :mod:`agent.update.steps` imported) on first use."""
+        if self._runner is None:
+            from mcp_edge.agent.update.steps import DeploymentRunner
+
+            sleep, retry, phase_hook = self._runner_args
+            self._runner = DeploymentRunner(
+                self.store, self.manager, self.profile, self._tuf_client, self.transport,
+                emit=self.recorder.record, clock=self.clock, sleep=sleep, retry=retry,
+                phase_hook=phase_hook,
+            )  # fmt: skip
+        return self._runner
+
     def _tuf_client(self) -> TufClient:
         if self._tuf_root is None:
             raise UpdateError(Cause.TUF_METADATA,
                               "no TUF trust root in the state directory; run `mcp-agent enroll`")  # fmt: skip
+        from mcp_edge.agent.update.tuf_client import TufClient  # python-tuf loads here
+
         return TufClient(self.state_dir, self.transport, bootstrap_root=self._tuf_root)
 
     # ------------------------------------------------------------------ desired state
@@ -237,6 +246,8 @@ class UpdateAgent:
         Raises the :class:`McpError` of a refused document (signature, schema, another device,
         replay, expiry); deployment failures are not raised (they are events and records).
         """
+        from mcp_edge.shared.protocol.state import verify_desired_state  # pydantic loads here
+
         async with self._lock:
             try:
                 state = verify_desired_state(
@@ -298,6 +309,8 @@ class UpdateAgent:
         self, name: str, role: str, target: TargetRef, seq: int, *, rollback: bool = False,
         canary: CanaryPolicy | None = None,
     ) -> UpdateRecord | None:  # fmt: skip
+        from mcp_edge.agent.update.steps import loaded_roles
+
         current = self._current(name, role)
         info = self.store.installed(name, target.version)
         serving = loaded_roles(self.manager, name).get(target.version) == role
@@ -327,6 +340,8 @@ class UpdateAgent:
             self.store.save_index(index.model_copy(update={"canary": ref}))
 
     async def _drop_role(self, name: str, version: str, role: str) -> None:
+        from mcp_edge.agent.update.steps import loaded_roles
+
         log.info("%s %s is no longer wanted as %s: unloading", name, version, role)
         if loaded_roles(self.manager, name).get(version) == role:
             await self.manager.unload(name, version)
@@ -339,6 +354,8 @@ class UpdateAgent:
         index = self.store.index(name)
         if index.active is None and index.canary is None and index.shadow is None:
             return
+        from mcp_edge.agent.update.steps import loaded_roles
+
         log.info("%s is not in the desired state any more: unloading", name)
         if loaded_roles(self.manager, name):
             await self.manager.unload(name)
@@ -367,6 +384,8 @@ class UpdateAgent:
             await self._report()
 
     async def _load_committed(self, name: str) -> None:
+        from mcp_edge.agent.update.steps import installed_source, loaded_roles
+
         index = self.store.index(name)
         roles = [("stable", index.active)]
         if index.canary is not None:
@@ -398,6 +417,8 @@ class UpdateAgent:
         await self.runner.run(record)
 
     async def _reapply(self, doc: dict[str, Any]) -> None:
+        from mcp_edge.shared.protocol.state import DesiredState
+
         try:
             state = DesiredState.model_validate(doc["envelope"]["signed"])
         except (KeyError, TypeError, ValueError) as e:
@@ -410,7 +431,7 @@ class UpdateAgent:
         await self._converge(state, doc["envelope"])
 
     # ------------------------------------------------------------------ reporting
-    def reported_state(self) -> ReportedState:
+    def reported_state(self) -> StateReport:
         """What this device runs now, per model."""
         models = []
         names = sorted(set(self.store.indexed_models()) | {r.model for r in self.store.records()})
@@ -421,7 +442,7 @@ class UpdateAgent:
             if phase is Phase.IDLE and index.active is not None:
                 phase = Phase.ACTIVE
             error = record.error if record is not None and record.phase is Phase.FAILED else None
-            models.append(ModelStatus(
+            models.append(ModelStatusReport(
                 name=name, phase=phase, active_version=index.active,
                 canary_version=index.canary.version if index.canary else None,
                 shadow_version=index.shadow,
@@ -429,7 +450,7 @@ class UpdateAgent:
                 last_error=(f"{record.cause.value}: {error}" if record and record.cause
                             and error else None),
             ))  # fmt: skip
-        return ReportedState(
+        return StateReport(
             device_id=self.device_id, ts=self.clock(), applied_seq=self.applied_seq,
             profile=self.profile.name, backends=self.backends[:16], agent_version=__version__,
             models=models,

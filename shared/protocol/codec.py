@@ -22,6 +22,7 @@ from mcp_edge.shared.protocol.base import Message
 from mcp_edge.shared.protocol.inference import (
     InferRequest,
 )
+from mcp_edge.shared.protocol.reports import Report, encode_report
 from mcp_edge.shared.protocol.wire import loads
 
 __all__ = [
@@ -32,8 +33,11 @@ __all__ = [
 M = TypeVar("M", bound=Message)
 
 
-def encode(message: Message) -> bytes:
-    """Serialize a message to compact JSON bytes (``None`` fields left out)."""
+def encode(message: Message | Report) -> bytes:
+    """Serialize a message to compact JSON bytes (``None`` fields left out). A plain report
+    (:mod:`shared.protocol.reports`) gives the bytes its model would."""
+    if not isinstance(message, Message):
+        return encode_report(message)
     return message.model_dump_json(exclude_none=True).encode("utf-8")
 
 

@@ -9,7 +9,6 @@ request cannot be replayed.
 
 from __future__ import annotations
 
-import enum
 import secrets
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
@@ -26,7 +25,14 @@ from mcp_edge.shared.protocol.base import (
     Nonce,
     ShortText,
 )
+from mcp_edge.shared.protocol.wire import EnrollmentStatus
 from mcp_edge.shared.signing import PrivateKey, PublicKey, sign_document, verify_document
+
+__all__ = [
+    "MAX_CLOCK_SKEW_S", "BrokerCredentials", "EnrollmentAnswer", "EnrollmentRequest",
+    "EnrollmentStatus", "TrustRoot", "new_nonce", "nonce_retention", "sign_enrollment",
+    "verify_enrollment",
+]  # fmt: skip
 
 MAX_CLOCK_SKEW_S = 300.0
 
@@ -45,11 +51,6 @@ class EnrollmentRequest(Message):
     labels: Labels = Field(default_factory=dict)
     facts: Facts = Field(default_factory=dict)
     agent_version: str = Field(default="", max_length=64)
-
-
-class EnrollmentStatus(str, enum.Enum):
-    ACCEPTED = "accepted"
-    PENDING = "pending"
 
 
 class BrokerCredentials(Message):

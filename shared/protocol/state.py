@@ -4,11 +4,14 @@ A desired state is signed by the director key (``shared.signing`` envelope). A d
 one only when :func:`verify_desired_state` passes: the signature is by a trusted director key,
 the document is for this device, its ``seq`` is above the last one applied (no replay), and it
 has not expired (no freeze).
+
+The agent builds its reported state and events as the plain twins in
+:mod:`shared.protocol.reports` (which also holds :class:`DeploymentPhase` and
+:class:`EventOutcome`); the models here are their schema.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any, ClassVar
@@ -24,6 +27,7 @@ from pydantic import (
 from mcp_edge.shared.errors import ExpiredError, MessageError, ReplayError
 from mcp_edge.shared.protocol.base import Identifier, Message, Sha256Hex, ShortText, VersionText
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, MAX_CANARY_WINDOW, CanaryPolicy
+from mcp_edge.shared.protocol.reports import DeploymentPhase, EventOutcome
 from mcp_edge.shared.signing import PrivateKey, PublicKey, sign_document, verify_document
 
 
@@ -172,20 +176,6 @@ def verify_desired_state(
     return state
 
 
-class DeploymentPhase(str, enum.Enum):
-    """States of the agent's update state machine (DESIGN 4.5)."""
-
-    IDLE = "idle"
-    DOWNLOADING = "downloading"
-    VERIFYING = "verifying"
-    INSTALLING = "installing"
-    LOADING = "loading"
-    WARMING = "warming"
-    ACTIVE = "active"
-    ROLLING_BACK = "rolling_back"
-    FAILED = "failed"
-
-
 class ModelStatus(Message):
     name: Identifier
     phase: DeploymentPhase = DeploymentPhase.IDLE
@@ -206,12 +196,6 @@ class ReportedState(Message):
     backends: list[str] = Field(default_factory=list, max_length=16)
     agent_version: str = Field(default="", max_length=64)
     models: list[ModelStatus] = Field(default_factory=list, max_length=64)
-
-
-class EventOutcome(str, enum.Enum):
-    PROGRESS = "progress"
-    OK = "ok"
-    ERROR = "error"
 
 
 class DeploymentEvent(Message):

@@ -1,6 +1,8 @@
 """Telemetry a device sends upstream: health, inference statistics and data drift (DESIGN 4.7).
 
-Timestamps are Unix seconds (float): cheap to produce at a high rate and to store.
+Timestamps are Unix seconds (float): cheap to produce at a high rate and to store. The agent
+builds health and inference reports as the plain twins in :mod:`shared.protocol.reports`; the
+models here are their schema (the control plane validates with them).
 """
 
 from __future__ import annotations

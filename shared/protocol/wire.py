@@ -1,4 +1,5 @@
-"""Protocol pieces that need no schema library: tensor datatypes, error codes, capped JSON.
+"""Protocol pieces that need no schema library: tensor datatypes, error codes, capped JSON, and
+the enrollment status an enrolled agent reads back at every start.
 
 The agent's serving path (HTTP and MQTT inference on well-formed bodies) imports only these, so
 a serving process never loads pydantic and the message models (about 10 MiB of RSS). The
@@ -104,6 +105,13 @@ _HTTP_STATUS = {
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.INTERNAL: 500,
 }
+
+
+class EnrollmentStatus(str, enum.Enum):
+    """Where a device's enrollment stands (:class:`~shared.protocol.enrollment.EnrollmentAnswer`)."""
+
+    ACCEPTED = "accepted"
+    PENDING = "pending"
 
 
 def loads(payload: bytes | bytearray | memoryview | str, *, max_bytes: int) -> Any:

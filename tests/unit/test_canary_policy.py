@@ -14,8 +14,8 @@ from pydantic import ValidationError
 from mcp_edge.agent.runtime.canary import CanaryState
 from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
 from mcp_edge.agent.serving import serve
-from mcp_edge.agent.update.machine import UpdateRecord, new_record
-from mcp_edge.agent.update.store import CanaryRef, ModelIndex
+from mcp_edge.agent.update.machine import new_record
+from mcp_edge.agent.update.records import CanaryRef, ModelIndex, UpdateRecord
 from mcp_edge.controlplane.api.deployments import CanaryIn
 from mcp_edge.controlplane.db.deployments import DeviceModelView, VersionView, canary_columns
 from mcp_edge.controlplane.desired import build_desired_state

@@ -21,7 +21,7 @@ from mcp_edge.agent.fleet.telemetry import (
     TegrastatsReader,
     parse_tegrastats_line,
 )
-from mcp_edge.shared.protocol import HealthSample, InferenceStats, decode, encode
+from mcp_edge.shared.protocol import HealthSample, InferenceStats, decode, encode, encode_report
 
 # Lines as boards print them (from public logs of real devices).
 ORIN_AGX = (
@@ -199,7 +199,8 @@ def test_health_sample_from_this_machine_is_valid_on_the_wire(tmp_path: Path) ->
     assert sample.process_rss_mb and sample.process_rss_mb > 10
     assert sample.temperatures_c["zone/cpu-thermal"] == pytest.approx(51.234)
     assert sample.energy_j == pytest.approx(3.0)  # packages only, not their sub-zones
-    assert decode(encode(sample), HealthSample) == sample
+    # The control plane's schema takes it, and reads back exactly what was sent.
+    assert encode(decode(encode_report(sample), HealthSample)) == encode_report(sample)
 
 
 def test_inference_stats_per_version_with_percentiles_and_histogram() -> None:
@@ -223,7 +224,7 @@ def test_inference_stats_per_version_with_percentiles_and_histogram() -> None:
     assert old.latency.p99_ms == pytest.approx(99.01)
     assert sum(old.latency_bucket_counts) == 100  # successful requests only
     assert len(old.latency_bucket_counts) == len(old.latency_bucket_edges_ms) + 1
-    assert decode(encode(snap), InferenceStats) == snap
+    assert encode(decode(encode_report(snap), InferenceStats)) == encode_report(snap)
     # The window restarts.
     assert stats.snapshot("dev-1").models == []
 

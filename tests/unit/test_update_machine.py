@@ -14,11 +14,11 @@ from mcp_edge.agent.update.machine import (
     Phase,
     TransitionError,
     Trigger,
-    UpdateRecord,
     advance,
     new_record,
     next_phase,
 )
+from mcp_edge.agent.update.records import UpdateRecord
 
 SHA = "ab" * 32
 
