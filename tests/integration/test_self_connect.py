@@ -19,7 +19,8 @@ import pytest
 
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool
-from mcp_edge.shared.mqtt import MqttClient, MqttConnectError, MqttSettings
+from mcp_edge.controlplane.mqtt import CP_RECONNECT
+from mcp_edge.shared.mqtt import MqttClient, MqttConnectError, MqttSettings, Session
 from mcp_edge.shared.netutil import ephemeral_port_range, free_port_below_ephemeral
 from mcp_edge.tooling.mosquitto import LOOPBACK, MosquittoBroker
 
@@ -108,3 +109,21 @@ def test_test_brokers_listen_below_the_ephemeral_range_and_dodge_a_taken_port(
         broker.stop()
         broker.start()
         assert broker.port == got  # a restart keeps the port it got
+
+
+async def test_a_reconnecting_session_refuses_a_self_connect_and_names_it_as_its_problem(
+    tmp_path: Path,
+) -> None:
+    # The Session class every control-plane session and the broker admin session run on, with
+    # their reconnect policy: a self-connect at start is a failed start whose problem (what
+    # /readyz shows) names it, and the port stays free for the broker.
+    port = free_port_below_ephemeral()
+    settings = MqttSettings(LOOPBACK, port, client_id="cp-self", source_address=(LOOPBACK, port))
+    session = Session(MqttClient(settings), name="ingest", policy=CP_RECONNECT)
+    with pytest.raises(MqttConnectError, match="connected to itself"):
+        await session.start()
+    assert not session.up
+    assert session.problem is not None and "connected to itself" in session.problem
+    await session.close()
+    with MosquittoBroker(tmp_path, port=port) as broker:
+        assert broker.port == port
