@@ -73,6 +73,12 @@ def test_packages_import_and_profiles_load_from_the_wheel(
         "from mcp_edge.shared.profiles import load_profiles\n"
         "print(mcp_edge.shared.__file__)\n"
         "print(','.join(load_profiles()))\n"
+        # The application client's public path, and only that one.
+        "from mcp_edge.client import InferenceClient, InferenceClientError\n"
+        "import mcp_edge.client, importlib.util\n"
+        "print(mcp_edge.client.__file__)\n"
+        "print(importlib.util.find_spec('mcp_edge.shared.client'))\n"
+        "from mcp_edge.shared.mqtt import MqttClient, Session\n"
     )
     # Run from a directory whose own agent/ and shared/ would shadow generic names.
     out = subprocess.run(
@@ -83,6 +89,8 @@ def test_packages_import_and_profiles_load_from_the_wheel(
         text=True,
     ).stdout.splitlines()
     assert "site-packages" in out[0]
+    assert out[2].endswith("site-packages/mcp_edge/client/__init__.py"), out[2]
+    assert out[3] == "None"  # shared/client is not also installed as mcp_edge.shared.client
     assert {
         "jetson-orin",
         "apple-silicon",
