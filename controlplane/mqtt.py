@@ -124,7 +124,7 @@ class MqttSubscriber:
             max_inflight_messages=max_inflight,
         ))  # fmt: skip
         if handler is not None:
-            self._client.set_handler(lambda m: handler(m.topic, m.payload))
+            self._client.set_topic_handler(handler)
         elif on_message is not None:
             self._client.set_handler(on_message)
         self._session = Session(

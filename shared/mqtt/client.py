@@ -11,8 +11,8 @@
   connect, before :meth:`connect` returns, so a caller publishes its birth message after the
   subscriptions are back (Home Assistant's order). The restored hook runs inside the read that
   brought the SUBACK, before the retained messages that follow it.
-- Messages go to a handler called on the loop inside the read (:meth:`set_handler`), or to
-  :meth:`messages`. The client does not reconnect by itself:
+- Messages go to a handler called on the loop inside the read (:meth:`set_handler`, or
+  :meth:`set_topic_handler` for ``(topic, payload)`` only), or to :meth:`messages`. The client does not reconnect by itself:
   :class:`~mcp_edge.shared.mqtt.session.Session` does.
 """
 
@@ -23,7 +23,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from mcp_edge.shared.mqtt.connection import Connection, Refusals
+from mcp_edge.shared.mqtt.connection import Connection, Refusals, TopicHandler
 from mcp_edge.shared.mqtt.errors import (
     MqttConnectionLostError,
     MqttError,
@@ -59,6 +59,7 @@ class MqttClient:
         self._conn: Connection | None = None
         self._queue: asyncio.Queue[InboundMessage | None] | None = None
         self._handler: MessageHandler | None = None
+        self._topic_handler: TopicHandler | None = None
         self._restored: RestoredHook | None = None
         self.dropped_messages = 0
         """Inbound messages dropped because the queue was full or the topic was not UTF-8."""
@@ -95,6 +96,7 @@ class MqttClient:
         if self._queue is None:
             self._queue = asyncio.Queue()
         conn = self._conn = Connection(self.settings, self._received, self._undecodable)
+        conn.topic_handler = self._topic_handler
         session_present = await conn.open()
         refused: Refusals = []
         if self._subs:
@@ -277,6 +279,14 @@ class MqttClient:
         read's acknowledgements), instead of through :meth:`messages`. The handler must not
         block; an exception it raises is logged."""
         self._handler = handler
+
+    def set_topic_handler(self, handler: TopicHandler | None) -> None:
+        """Like :meth:`set_handler`, for a subscriber that needs only ``(topic, payload)``
+        (telemetry ingestion): no :class:`InboundMessage` is built, which saves most of the
+        adapter's per-message cost. It takes precedence over :meth:`set_handler`."""
+        self._topic_handler = handler
+        if self._conn is not None:
+            self._conn.topic_handler = handler
 
     def _undecodable(self) -> None:
         self.dropped_messages += 1

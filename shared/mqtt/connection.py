@@ -55,6 +55,7 @@ _MISC_INTERVAL_S = 1.0
 Refusals = list[tuple[str, int, str]]
 """Filters the broker refused: ``(filter, reason code, reason name)``."""
 SubackHook = Callable[[Refusals], None]
+TopicHandler = Callable[[str, bytes], None]
 
 
 class Connection:
@@ -72,6 +73,9 @@ class Connection:
         self._loop_thread = threading.get_ident()
         self._on_message = on_message
         self._on_undecodable = on_undecodable
+        self.topic_handler: TopicHandler | None = None
+        """When set, messages go to it as ``(topic, payload)`` and no InboundMessage is built
+        (exceptions it raises are logged)."""
         self.connack: asyncio.Future[tuple[bool, ReasonCode]] = self.loop.create_future()
         self.closed: asyncio.Future[str] = self.loop.create_future()
         self.pending: dict[int, asyncio.Future[Any]] = {}
@@ -378,6 +382,13 @@ class Connection:
             topic = m.topic
         except UnicodeDecodeError:
             self._on_undecodable()
+            return
+        topic_handler = self.topic_handler
+        if topic_handler is not None:  # the telemetry path: no properties wanted
+            try:
+                topic_handler(topic, bytes(m.payload))
+            except Exception:
+                log.exception("message handler failed on %.120s", topic)
             return
         props = m.properties
         self._on_message(InboundMessage(
