@@ -51,6 +51,7 @@ from mcp_edge.shared.mqtt import (
     MqttError,
     MqttRefusedError,
     MqttSettings,
+    ReconnectPolicy,
     Session,
     Subscription,
 )
@@ -79,7 +80,8 @@ class DynsecProvisioner:
     Use as ``async with DynsecProvisioner(host, port, user, password) as provisioner:``; the
     context owns the admin connection. ``timeout_s`` bounds the TCP connect, the login and each
     command batch (seconds). ``fleet_share_group`` is the share group devices may use for
-    fleet inference requests; ``ssl_context`` turns on TLS.
+    fleet inference requests; ``ssl_context`` turns on TLS; ``reconnect`` paces the admin
+    session's reconnects after a loss.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class DynsecProvisioner:
         client_id_prefix: str = "mcp-cp-admin",
         fleet_share_group: str = DEFAULT_FLEET_SHARE_GROUP,
         ssl_context: ssl.SSLContext | None = None,
+        reconnect: ReconnectPolicy = CP_RECONNECT,
     ) -> None:
         self._where = f"{host}:{port}"
         self._admin_username = admin_username
@@ -108,7 +111,7 @@ class DynsecProvisioner:
         ))  # fmt: skip
         self._client.set_handler(self._on_message)
         self._session = Session(
-            self._client, name="broker-admin", policy=CP_RECONNECT, on_down=self._connection_lost
+            self._client, name="broker-admin", policy=reconnect, on_down=self._connection_lost
         )
         self._batches: dict[str, _Batch] = {}
         self._started = False
