@@ -36,8 +36,8 @@ _DATA_DIR_HELP = "Where the database, config and keys live."
 
 
 def install_event_loop() -> str:
-    """Run ``serve`` on uvloop where it is installed (cheaper wake-ups from paho's threads and
-    socket I/O than the stock loop; bench/fleet_path.py measures ingest with it)."""
+    """Run ``serve`` on uvloop where it is installed (cheaper socket I/O and wake-ups, from the
+    executor's connects among others, than the stock loop; bench/fleet_path.py measures ingest with it)."""
     try:
         import uvloop
     except ImportError:
