@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import signal
+import threading
 from collections.abc import AsyncIterator
 
 import paho.mqtt.client as mqtt
@@ -393,6 +394,8 @@ async def test_the_provisioner_refuses_bad_admin_logins_and_unreachable_brokers(
         broker.host, broker.port, broker.admin_username, broker.admin_password
     ) as provisioner:
         assert provisioner.connected and provisioner.tcp_nodelay
+        # The admin session runs on the event loop like every MQTT session: no paho thread.
+        assert [t.name for t in threading.enumerate() if t.name.startswith("paho")] == []
 
 
 async def test_the_provisioner_times_out_fails_on_a_lost_broker_and_recovers(
