@@ -26,8 +26,8 @@ from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.profiles import HardwareProfile
 
 if TYPE_CHECKING:
+    from mcp_edge.agent.identity import StoredTrust
     from mcp_edge.agent.update.transport import RepoTransport
-    from mcp_edge.shared.protocol.enrollment import TrustRoot
     from mcp_edge.shared.signing import PublicKey
 
 
@@ -70,7 +70,7 @@ def fleet_attachment(
     """The ``attach`` hook for :func:`agent.serving.serve.run_server` that runs the fleet session."""
     # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
     from mcp_edge.agent.identity import IdentityError, load_enrollment
-    from mcp_edge.shared.protocol.enrollment import EnrollmentStatus
+    from mcp_edge.shared.protocol.wire import EnrollmentStatus
 
     enrollment = load_enrollment(state_dir)
     if enrollment is None:
@@ -154,11 +154,11 @@ def fleet_attachment(
     return attach
 
 
-def _trust(state_dir: Path, trust: TrustRoot | None) -> tuple[list[PublicKey], bytes | None]:
+def _trust(state_dir: Path, trust: StoredTrust | None) -> tuple[list[PublicKey], bytes | None]:
     """Director keys and the TUF root this device was given at enrollment."""
     import json
 
-    from mcp_edge.agent.update.tuf_client import load_bootstrap_root
+    from mcp_edge.agent.update.trust_root import load_bootstrap_root
     from mcp_edge.shared.signing import PublicKey
 
     if trust is None:

@@ -7,12 +7,15 @@ Three processes, each holding the digits MLP, measured by resident set size (VmR
    connected to the broker (uvloop installed as the loop, as the agent does);
 2. ``serve``: ``mcp-agent serve --model-path digits.onnx`` (no control plane);
 3. ``run``: ``mcp-agent run --model-path digits.onnx`` enrolled with a real control plane and a
-   real Mosquitto (dynamic security), measured once its MQTT session is online and the model is
-   ready.
+   real Mosquitto (dynamic security), measured once its MQTT session is online, the model is
+   ready and the control plane has taken in its first health sample and reported state.
 
-Each is read when ready and again after 200 inference requests. The goal: ``run`` ≤ 100 MiB
-(Greengrass's nucleus needs ≥ 96 MB). Prints one JSON document; every process is stopped in a
-``finally`` block.
+Each is read when ready and again after 200 inference requests; for ``run`` the second reading
+waits until the control plane has also taken in the inference statistics of those requests
+(``--stats-interval 2``), so it holds everything the steady path loads. ``run.received`` is the
+control plane's count of each kind of message it took in from the agent. The goal: ``run`` ≤
+100 MiB (Greengrass's nucleus needs ≥ 96 MB). Prints one JSON document; every process is
+stopped in a ``finally`` block.
 
     .venv/bin/python bench/agent_footprint.py [--out FILE]
 """
@@ -23,11 +26,11 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -249,6 +252,8 @@ def run(work: Path) -> dict[str, Any]:
                 str(port),
                 "--state-dir",
                 str(state),
+                "--stats-interval",
+                "2",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -263,12 +268,30 @@ def run(work: Path) -> dict[str, Any]:
             return code == 200 and bool(device and device.get("online")) and ready(port)
 
         wait_until(online, "mcp-agent run online and ready", 90)
-        time.sleep(1.0)  # let the first health report and reported state go out
+        wait_until(
+            lambda: _received(cp_url).keys() >= {"health", "reported"},
+            "the first health sample and reported state at the control plane",
+            60,
+        )
         result["run"] = {"rss_mib_ready": rss_mib(agent.pid)}
         load(port, body)
+        wait_until(
+            lambda: "inference" in _received(cp_url),
+            "inference statistics at the control plane",
+            60,
+        )
         result["run"]["rss_mib_after_load"] = rss_mib(agent.pid)
+        result["run"]["received"] = _received(cp_url)
         result["run"]["modules"] = sorted(_module_roots(agent.pid))
     return result
+
+
+def _received(cp_url: str) -> dict[str, float]:
+    """``mcp_cp_ingest_received_total`` by kind: valid device messages the control plane took in."""
+    with urllib.request.urlopen(f"{cp_url}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    found = re.findall(r'^mcp_cp_ingest_received_total\{kind="(\w+)"\} (\S+)$', text, re.M)
+    return {kind: float(n) for kind, n in found if float(n) > 0}
 
 
 def _module_roots(pid: int) -> set[str]:

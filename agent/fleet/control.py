@@ -12,6 +12,9 @@ schema-checked; a failure is counted in :class:`agent.fleet.metrics.FleetMetrics
 - A :class:`CommandRequest` runs its handler (unless expired) and is answered with a
   :class:`CommandReply` on ``dev/{id}/cmd/reply`` with the request's correlation data; an
   unknown command gets ``ok=false`` with ``unsupported``.
+
+Nothing here loads pydantic until a command arrives (the command schema) or the desired-state
+handler verifies a document (docs/agent.md "Memory").
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcp_edge.agent.fleet.metrics import FleetMetrics
 from mcp_edge.shared.errors import (
@@ -33,23 +36,17 @@ from mcp_edge.shared.errors import (
     TopicError,
 )
 from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttError
-from mcp_edge.shared.protocol import (
-    CommandName,
-    CommandReply,
-    CommandRequest,
-    ErrorCode,
-    ErrorReply,
-    encode,
-    loads,
-    topics,
-    validate,
-)
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.wire import CommandName, ErrorCode, loads
+
+if TYPE_CHECKING:
+    from mcp_edge.shared.protocol.command import CommandReply, CommandRequest
 
 log = logging.getLogger("mcp.agent.fleet")
 
 DesiredHandler = Callable[[Any], Awaitable[None]]
 """Gets the parsed JSON of a desired-state envelope; raises an McpError to refuse it."""
-CommandHandler = Callable[[CommandRequest], Awaitable[dict[str, Any]]]
+CommandHandler = Callable[["CommandRequest"], Awaitable[dict[str, Any]]]
 """Runs a command; returns the reply's ``result``; raises an McpError to fail it."""
 
 
@@ -122,6 +119,10 @@ class ControlChannel:
                 self.metrics.drop("desired", "handler_error", repr(e), msg.topic)
 
     async def on_command(self, msg: InboundMessage) -> None:
+        # The command schema (pydantic) loads with the first command, not with the session.
+        from mcp_edge.shared.protocol.codec import encode, validate
+        from mcp_edge.shared.protocol.command import CommandRequest
+
         doc = self._parse_json("cmd", msg, self.max_command_bytes)
         if doc is None:
             return
@@ -141,6 +142,7 @@ class ControlChannel:
 
     async def run(self, req: CommandRequest) -> CommandReply:
         """Run one command and build its reply (never raises)."""
+        from mcp_edge.shared.protocol.command import CommandReply, ErrorReply
 
         def fail(code: ErrorCode, text: str) -> CommandReply:
             error = ErrorReply(error=text[:2000], code=code)

@@ -47,21 +47,21 @@ from mcp_edge.agent.serving.requests import (
 from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
 from mcp_edge.shared.errors import MessageError, TopicError
 from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttError
-from mcp_edge.shared.protocol import (
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.wire import (
+    DEFAULT_MQTT_REPLY_BYTES,
+    MAX_INFER_REQUEST_BYTES,
+    MAX_INFER_RESPONSE_BYTES,
     ErrorCode,
-    ErrorReply,
-    InferRequest,
-    InferResponse,
-    encode,
+    error_reply_body,
     loads,
-    topics,
 )
 
 log = logging.getLogger("mcp.agent.mqtt_inference")
 
 SHARE_GROUP = "agents"
-DEFAULT_MAX_REQUEST_BYTES = InferRequest.MAX_BYTES
-DEFAULT_MAX_REPLY_BYTES = InferResponse.DEFAULT_MQTT_REPLY_BYTES
+DEFAULT_MAX_REQUEST_BYTES = MAX_INFER_REQUEST_BYTES
+DEFAULT_MAX_REPLY_BYTES = DEFAULT_MQTT_REPLY_BYTES
 _MAX_ERROR_TEXT = 2000
 
 
@@ -94,7 +94,7 @@ def error_body(err: RequestError) -> bytes:
     text = str(err)
     if len(text) > _MAX_ERROR_TEXT:
         text = text[:_MAX_ERROR_TEXT] + "…"
-    return encode(ErrorReply(error=text, code=err.code, retry_after_s=err.retry_after_s))
+    return error_reply_body(text, err.code, err.retry_after_s)
 
 
 class MqttInference:
@@ -117,9 +117,9 @@ class MqttInference:
         Raises :class:`ValueError` when ``max_reply_bytes`` is not in 1 KiB ..
         ``InferResponse.MAX_BYTES`` (an error reply must fit; clients decode no more).
         """
-        if not 1024 <= max_reply_bytes <= InferResponse.MAX_BYTES:
+        if not 1024 <= max_reply_bytes <= MAX_INFER_RESPONSE_BYTES:
             raise ValueError(
-                f"max_reply_bytes must be in 1024..{InferResponse.MAX_BYTES}, not {max_reply_bytes}"
+                f"max_reply_bytes must be in 1024..{MAX_INFER_RESPONSE_BYTES}, not {max_reply_bytes}"
             )
         self.manager = manager
         self.device_id = topics.validate_id(device_id, "device id")

@@ -34,7 +34,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mcp_edge.agent import __version__
 from mcp_edge.agent.fleet.control import CommandHandler, ControlChannel, DesiredHandler
@@ -64,17 +64,20 @@ from mcp_edge.shared.mqtt import (
     Subscription,
     Will,
 )
-from mcp_edge.shared.protocol import (
-    CommandName,
-    CommandRequest,
-    DeploymentEvent,
-    DriftReport,
-    HealthSample,
-    InferenceStats,
-    ReportedState,
-    encode,
-    topics,
+from mcp_edge.shared.protocol import topics
+from mcp_edge.shared.protocol.reports import (
+    EventReport,
+    HealthReport,
+    InferenceReport,
+    StateReport,
+    encode_report,
 )
+from mcp_edge.shared.protocol.wire import CommandName
+
+if TYPE_CHECKING:
+    from mcp_edge.shared.protocol.command import CommandRequest
+    from mcp_edge.shared.protocol.state import DeploymentEvent, ReportedState
+    from mcp_edge.shared.protocol.telemetry import DriftReport, HealthSample, InferenceStats
 
 log = logging.getLogger("mcp.agent.fleet")
 
@@ -157,7 +160,7 @@ class FleetSession:
         health: HealthCollector | None = None,
         stats: InferenceStatsCollector | None = None,
         desired_handler: DesiredHandler | None = None,
-        state_provider: Callable[[], ReportedState] | None = None,
+        state_provider: Callable[[], StateReport | ReportedState] | None = None,
         command_handlers: Mapping[CommandName, CommandHandler] | None = None,
         metrics: FleetMetrics | None = None,
         mqtt: MqttClient | None = None,
@@ -354,34 +357,37 @@ class FleetSession:
         await self.mqtt.subscribe(Subscription(topic_filter, qos))
 
     # ------------------------------------------------------------------ outbound (spooled)
-    async def publish_event(self, event: DeploymentEvent) -> None:
+    # Each takes the plain report (shared.protocol.reports: what the agent builds, encoded
+    # without pydantic) or its pydantic model; both give the same bytes.
+    async def publish_event(self, event: EventReport | DeploymentEvent) -> None:
         """Queue a deployment event; it is delivered even across outages, never dropped."""
         self._own(event.device_id)
-        await self.enqueue(SpoolKind.EVENT, topics.events(self.device_id), encode(event))
+        await self.enqueue(SpoolKind.EVENT, topics.events(self.device_id), encode_report(event))
 
-    async def publish_reported(self, state: ReportedState) -> None:
+    async def publish_reported(self, state: StateReport | ReportedState) -> None:
         """Queue the retained reported state (replaces an older one not yet sent)."""
         self._own(state.device_id)
         await self.enqueue(
-            SpoolKind.STATE, topics.reported(self.device_id), encode(state), retain=True
+            SpoolKind.STATE, topics.reported(self.device_id), encode_report(state), retain=True
         )
 
-    async def publish_health(self, sample: HealthSample) -> None:
+    async def publish_health(self, sample: HealthReport | HealthSample) -> None:
         self._own(sample.device_id)
         await self.enqueue(
-            SpoolKind.HEALTH, topics.telemetry(self.device_id, "health"), encode(sample)
+            SpoolKind.HEALTH, topics.telemetry(self.device_id, "health"), encode_report(sample)
         )
 
-    async def publish_inference_stats(self, stats: InferenceStats) -> None:
+    async def publish_inference_stats(self, stats: InferenceReport | InferenceStats) -> None:
         self._own(stats.device_id)
+        payload = encode_report(stats)
         await self.enqueue(
-            SpoolKind.INFERENCE, topics.telemetry(self.device_id, "inference"), encode(stats)
+            SpoolKind.INFERENCE, topics.telemetry(self.device_id, "inference"), payload
         )
 
     async def publish_drift(self, report: DriftReport) -> None:
         self._own(report.device_id)
         await self.enqueue(
-            SpoolKind.DRIFT, topics.telemetry(self.device_id, "drift"), encode(report)
+            SpoolKind.DRIFT, topics.telemetry(self.device_id, "drift"), encode_report(report)
         )
 
     async def enqueue(
@@ -395,7 +401,7 @@ class FleetSession:
             raise ValueError(f"message for device {device_id!r} on {self.device_id!r}'s session")
 
     # ------------------------------------------------------------------ periodic telemetry
-    async def sample_health(self) -> HealthSample:
+    async def sample_health(self) -> HealthReport:
         """Take one health sample now and queue it."""
         sample = await asyncio.to_thread(self.health.collect, self.device_id)
         await self.publish_health(sample)

@@ -22,9 +22,10 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from tuf.ngclient import FetcherInterface
+if TYPE_CHECKING:
+    from tuf.ngclient import FetcherInterface
 
 log = logging.getLogger("mcp.agent.update")
 

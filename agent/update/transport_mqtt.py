@@ -19,6 +19,10 @@ exponential backoff (``backoff_initial_s`` doubling up to ``backoff_max_s``) up 
 ``total_timeout_s``. Replies that arrive late (after a retry or for a cancelled request) match
 no pending request and are counted in :attr:`MqttRepoTransport.stale_replies`.
 
+python-tuf's exceptions (``tuf.api.exceptions``, small) load with this module; ngclient's
+fetcher base class (all of ``tuf.ngclient``, about 10 MiB) only when :meth:`fetcher` is first
+called, so an agent holds this transport from its start without the TUF client.
+
 Errors (``tuf.api.exceptions``, as ngclient expects)::
 
     DownloadHTTPError(404)       the repository answered not_found
@@ -43,7 +47,7 @@ from collections import deque
 from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from tuf.api.exceptions import (
@@ -52,7 +56,6 @@ from tuf.api.exceptions import (
     DownloadLengthMismatchError,
     SlowRetrievalError,
 )
-from tuf.ngclient.fetcher import FetcherInterface
 
 from mcp_edge.agent.update.transport import Progress, open_partial
 from mcp_edge.shared.errors import MessageError
@@ -64,6 +67,9 @@ from mcp_edge.shared.protocol.repo import (
     RepoStatus,
     validate_repo_path,
 )
+
+if TYPE_CHECKING:
+    from tuf.ngclient.fetcher import FetcherInterface
 
 log = logging.getLogger("mcp.agent.update.mqtt")
 
@@ -152,7 +158,13 @@ class MqttRepoTransport:
         return BASE_URL + "targets/"
 
     def fetcher(self) -> FetcherInterface:
-        return _MqttFetcher(self)
+        # ngclient's fetcher base class imports all of tuf.ngclient: only once metadata is read.
+        from mcp_edge.agent.update.fetcher import ReaderFetcher
+
+        return ReaderFetcher(self._read_url, f"mqtt:{self.device_id}")
+
+    def _read_url(self, url: str) -> Iterator[bytes]:
+        return self.iter_file(self.path_of(url))
 
     def download(
         self, url: str, dest: Path, *, length: int, progress: Progress | None = None
@@ -439,16 +451,3 @@ def _fail_on_lost_ack(ack: asyncio.Future[int], reply: asyncio.Future[_Reply]) -
     error = ack.exception()
     if error is not None and not reply.done():
         reply.set_exception(_Lost(f"request not delivered: {error}", timed_out=False))
-
-
-class _MqttFetcher(FetcherInterface):
-    """ngclient's ``FetcherInterface`` over :class:`MqttRepoTransport`."""
-
-    def __init__(self, transport: MqttRepoTransport) -> None:
-        self._transport = transport
-
-    def _fetch(self, url: str) -> Iterator[bytes]:
-        return self._transport.iter_file(self._transport.path_of(url))
-
-    def __repr__(self) -> str:
-        return f"_MqttFetcher({self._transport.device_id!r})"

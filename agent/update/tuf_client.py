@@ -30,7 +30,7 @@ from tuf.ngclient.updater import Updater
 
 from mcp_edge.agent.update.machine import Cause, UpdateError
 from mcp_edge.agent.update.transport import RepoTransport
-from mcp_edge.agent.update.trust_root import load_bootstrap_root, tuf_dir  # noqa: F401
+from mcp_edge.agent.update.trust_root import tuf_dir
 from mcp_edge.shared.errors import SigningError
 from mcp_edge.shared.signing import PublicKey
 

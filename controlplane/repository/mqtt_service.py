@@ -39,7 +39,8 @@ from mcp_edge.controlplane.mqtt import BrokerAddress, MqttSubscriber
 from mcp_edge.shared.errors import TopicError
 from mcp_edge.shared.mqtt import InboundMessage, MqttError
 from mcp_edge.shared.protocol import topics
-from mcp_edge.shared.protocol.repo import RepoReply, RepoRequest, RepoStatus
+from mcp_edge.shared.protocol.repo import RepoReply, RepoStatus
+from mcp_edge.shared.protocol.repo_request import RepoRequest
 from mcp_edge.shared.protocol.topics import Channel
 
 log = logging.getLogger("mcp.controlplane.repository.mqtt")

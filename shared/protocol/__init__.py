@@ -21,7 +21,7 @@ _EXPORTS: dict[str, str] = {
     "BrokerCredentials": "mcp_edge.shared.protocol.enrollment",
     "CanaryPolicy": "mcp_edge.shared.protocol.canary",
     "CanarySpec": "mcp_edge.shared.protocol.state",
-    "CommandName": "mcp_edge.shared.protocol.command",
+    "CommandName": "mcp_edge.shared.protocol.wire",
     "CommandReply": "mcp_edge.shared.protocol.command",
     "CommandRequest": "mcp_edge.shared.protocol.command",
     "Datatype": "mcp_edge.shared.protocol.wire",
@@ -146,7 +146,6 @@ if TYPE_CHECKING:
         validate,
     )
     from mcp_edge.shared.protocol.command import (
-        CommandName,
         CommandReply,
         CommandRequest,
         ErrorReply,
@@ -201,7 +200,13 @@ if TYPE_CHECKING:
         LatencySummary,
         ModelInferenceStats,
     )
-    from mcp_edge.shared.protocol.wire import Datatype, EnrollmentStatus, ErrorCode, loads
+    from mcp_edge.shared.protocol.wire import (
+        CommandName,
+        Datatype,
+        EnrollmentStatus,
+        ErrorCode,
+        loads,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -4,13 +4,12 @@ every request/response exchange (commands, MQTT inference, repository requests) 
 
 from __future__ import annotations
 
-import enum
 from typing import Any, ClassVar
 
 from pydantic import AwareDatetime, Field
 
 from mcp_edge.shared.protocol.base import Message, ShortText
-from mcp_edge.shared.protocol.wire import ErrorCode
+from mcp_edge.shared.protocol.wire import CommandName, ErrorCode
 
 __all__ = ["CommandName", "CommandReply", "CommandRequest", "ErrorCode", "ErrorReply"]
 
@@ -22,14 +21,6 @@ class ErrorReply(Message):
     code: ErrorCode = ErrorCode.INTERNAL
     retry_after_s: float | None = Field(default=None, ge=0)
     details: dict[str, Any] | None = None
-
-
-class CommandName(str, enum.Enum):
-    PING = "ping"
-    RELOAD = "reload"
-    COLLECT_LOGS = "collect_logs"
-    UPLOAD_HARD_EXAMPLES = "upload_hard_examples"
-    REPORT_STATE = "report_state"
 
 
 class CommandRequest(Message):

@@ -16,7 +16,13 @@ from pydantic import Field, StrictInt, field_validator
 
 from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.protocol.base import Identifier, Message
-from mcp_edge.shared.protocol.wire import MAX_TENSOR_ELEMENTS, Datatype
+from mcp_edge.shared.protocol.wire import (
+    DEFAULT_MQTT_REPLY_BYTES,
+    MAX_INFER_REQUEST_BYTES,
+    MAX_INFER_RESPONSE_BYTES,
+    MAX_TENSOR_ELEMENTS,
+    Datatype,
+)
 
 __all__ = [
     "MAX_TENSOR_ELEMENTS", "Datatype", "InferRequest", "InferResponse", "InferTensor",
@@ -133,7 +139,7 @@ class RequestedOutput(Message):
 class InferRequest(Message):
     """``POST /v2/models/{m}/infer`` body."""
 
-    MAX_BYTES: ClassVar[int] = 8 * 1024 * 1024
+    MAX_BYTES: ClassVar[int] = MAX_INFER_REQUEST_BYTES
 
     id: str | None = Field(default=None, max_length=256)
     parameters: dict[str, Any] | None = None
@@ -144,8 +150,8 @@ class InferRequest(Message):
 class InferResponse(Message):
     """Reply to an :class:`InferRequest`."""
 
-    MAX_BYTES: ClassVar[int] = 32 * 1024 * 1024
-    DEFAULT_MQTT_REPLY_BYTES: ClassVar[int] = 4 * 1024 * 1024
+    MAX_BYTES: ClassVar[int] = MAX_INFER_RESPONSE_BYTES
+    DEFAULT_MQTT_REPLY_BYTES: ClassVar[int] = DEFAULT_MQTT_REPLY_BYTES
     """Default cap on one reply an agent sends over MQTT and an application client accepts
     (a classification or detection answer is a few KiB); configurable up to ``MAX_BYTES``."""
 

@@ -2,7 +2,8 @@
 
 A device asks on its own ``mcp/v1/dev/{device}/repo`` topic, with the MQTT 5 response topic
 ``mcp/v1/dev/{device}/repo/reply`` and a fresh correlation data per request. The request
-payload is a small JSON object (:class:`RepoRequest`)::
+payload is a small JSON object (:class:`~shared.protocol.repo_request.RepoRequest`, the
+schema the control plane validates it with; the device writes it with orjson)::
 
     {"path": "metadata/3.snapshot.json", "offset": 0, "length": 131072}
 
@@ -21,6 +22,9 @@ A request for an offset at or past the end answers ``ok`` with an empty payload 
 so a reader learns the length without a special request. ``not_found`` is explicit: the
 device's TUF fetcher raises it as HTTP 404, which ngclient relies on while probing for newer
 root versions.
+
+Nothing here imports pydantic: an agent holds its repository transport from the start and
+loads the message models only when something needs them (docs/agent.md "Memory").
 """
 
 from __future__ import annotations
@@ -29,12 +33,8 @@ import enum
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
-
-from pydantic import Field, field_validator
 
 from mcp_edge.shared.errors import MessageError
-from mcp_edge.shared.protocol.base import Message
 
 MAX_CHUNK_BYTES = 128 * 1024
 """The most bytes one reply carries."""
@@ -57,24 +57,6 @@ def validate_repo_path(path: str) -> str:
             "made of [A-Za-z0-9._+-] segments"
         )
     return path
-
-
-class RepoRequest(Message):
-    """One chunk of one repository file."""
-
-    MAX_BYTES: ClassVar[int] = 2048
-
-    path: str = Field(min_length=1, max_length=MAX_PATH_LENGTH)
-    offset: int = Field(default=0, ge=0, le=2**53)
-    length: int = Field(default=MAX_CHUNK_BYTES, ge=1, le=MAX_CHUNK_BYTES)
-
-    @field_validator("path")
-    @classmethod
-    def _safe_path(cls, value: str) -> str:
-        try:
-            return validate_repo_path(value)
-        except MessageError as e:
-            raise ValueError(str(e)) from e
 
 
 class RepoStatus(str, enum.Enum):

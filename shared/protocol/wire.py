@@ -1,8 +1,10 @@
-"""Protocol pieces that need no schema library: tensor datatypes, error codes, capped JSON, and
-the enrollment status an enrolled agent reads back at every start.
+"""Protocol pieces that need no schema library: tensor datatypes, error codes, capped JSON, the
+inference size limits, the error reply's bytes, command names, and the enrollment status an
+enrolled agent reads back at every start.
 
 The agent's serving path (HTTP and MQTT inference on well-formed bodies) imports only these, so
-a serving process never loads pydantic and the message models (about 10 MiB of RSS). The
+a serving process never loads pydantic and the message models (about 10 MiB of RSS); an
+enrolled agent's fleet session likewise (:mod:`shared.protocol.reports` for what it sends). The
 message classes (:mod:`shared.protocol.inference`, :mod:`shared.protocol.command`) and
 :mod:`shared.protocol.codec` re-export them.
 """
@@ -18,6 +20,14 @@ import orjson
 from mcp_edge.shared.errors import MessageError
 
 MAX_TENSOR_ELEMENTS = 16 * 1024 * 1024
+MAX_INFER_REQUEST_BYTES = 8 * 1024 * 1024
+"""The largest inference request body (``InferRequest.MAX_BYTES``)."""
+MAX_INFER_RESPONSE_BYTES = 32 * 1024 * 1024
+"""The largest inference answer (``InferResponse.MAX_BYTES``)."""
+DEFAULT_MQTT_REPLY_BYTES = 4 * 1024 * 1024
+"""Default cap on one reply an agent sends over MQTT and an application client accepts (a
+classification or detection answer is a few KiB); configurable up to
+:data:`MAX_INFER_RESPONSE_BYTES` (``InferResponse.DEFAULT_MQTT_REPLY_BYTES``)."""
 
 
 class Datatype(str, enum.Enum):
@@ -105,6 +115,25 @@ _HTTP_STATUS = {
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.INTERNAL: 500,
 }
+
+
+def error_reply_body(text: str, code: ErrorCode, retry_after_s: float | None = None) -> bytes:
+    """The bytes ``encode(ErrorReply(error=text, code=code, retry_after_s=...))`` gives, built
+    without the model (``text`` is not capped here: the caller keeps it short)."""
+    body: dict[str, Any] = {"error": text, "code": code.value}
+    if retry_after_s is not None:
+        body["retry_after_s"] = float(retry_after_s)
+    return orjson.dumps(body)
+
+
+class CommandName(str, enum.Enum):
+    """The commands a control plane may send a device (``CommandRequest.name``)."""
+
+    PING = "ping"
+    RELOAD = "reload"
+    COLLECT_LOGS = "collect_logs"
+    UPLOAD_HARD_EXAMPLES = "upload_hard_examples"
+    REPORT_STATE = "report_state"
 
 
 class EnrollmentStatus(str, enum.Enum):

@@ -1,4 +1,4 @@
-"""The agent's pydantic-free upstream encoder writes the very bytes the pydantic models do.
+"""The agent's pydantic-free encoders write the very bytes the pydantic models do.
 
 The control plane validates what devices send with the models in shared/protocol/telemetry.py
 and state.py; the agent builds the plain twins in shared/protocol/reports.py. For random valid
@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 
 from mcp_edge.shared.protocol import (
     DeploymentEvent,
+    ErrorCode,
+    ErrorReply,
     HealthSample,
     InferenceStats,
     Message,
@@ -41,6 +43,7 @@ from mcp_edge.shared.protocol.reports import (
     as_wire,
     encode_report,
 )
+from mcp_edge.shared.protocol.wire import error_reply_body
 
 ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True)
 versions = st.text(min_size=5, max_size=40)
@@ -147,3 +150,17 @@ def test_building_and_encoding_reports_loads_no_pydantic() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(max_size=300),
+    code=st.sampled_from(ErrorCode),
+    retry_after_s=maybe(number(0, 3600)),
+)
+def test_the_plain_error_reply_is_the_bytes_of_the_model(
+    text: str, code: ErrorCode, retry_after_s: float | None
+) -> None:
+    # MQTT inference answers every failure with it, without loading the models.
+    model = ErrorReply(error=text, code=code, retry_after_s=retry_after_s)
+    assert error_reply_body(text, code, retry_after_s) == encode(model)
