@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,8 +108,9 @@ def fleet_attachment(
             tls=ssl.create_default_context() if tls else None,
             health_interval_s=health_interval_s,
             inference_interval_s=inference_interval_s,
-            **({} if max_reply_bytes is None else {"max_reply_bytes": max_reply_bytes}),
         )
+        if max_reply_bytes is not None:
+            config = dataclasses.replace(config, max_reply_bytes=max_reply_bytes)
         from mcp_edge.agent.update.updater import UpdateAgent
 
         # One client for the session and the repository over MQTT: agent.fleet and

@@ -9,8 +9,12 @@ import click
 
 
 @click.command("updates")
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="The agent's state directory (default: /var/lib/mcp-agent).")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="The agent's state directory (default: /var/lib/mcp-agent).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the full state as JSON.")
 def updates_command(state_dir: Path | None, as_json: bool) -> None:
     """Show installed model versions and the last deployment of each model.

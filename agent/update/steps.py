@@ -147,7 +147,9 @@ class DeploymentRunner:
                 record = await self._failed(record, e, time.monotonic() - t0)
                 continue
             except Exception as e:  # a bug must roll back, not leave a half-done deployment
-                log.exception("%s %s: %s failed", record.model, record.to_version, record.phase.value)
+                log.exception(
+                    "%s %s: %s failed", record.model, record.to_version, record.phase.value
+                )
                 err = UpdateError(Cause.INTERNAL, f"{type(e).__name__}: {e}")
                 record = await self._failed(record, err, time.monotonic() - t0)
                 continue
@@ -177,7 +179,9 @@ class DeploymentRunner:
             return advance(record, Trigger.RETRY, now=self.clock(), cause=e.cause, error=str(e))
         log.error("%s %s refused in %s (%s): %s", record.model, record.to_version, phase.value,
                   e.cause.value, e)  # fmt: skip
-        self.emit(record, phase, EventOutcome.ERROR, str(e), cause=e.cause.value, elapsed_ms=elapsed)
+        self.emit(
+            record, phase, EventOutcome.ERROR, str(e), cause=e.cause.value, elapsed_ms=elapsed
+        )
         return advance(record, Trigger.FAIL, now=self.clock(), cause=e.cause, error=str(e))
 
     def _tuf_client(self) -> TufClient:
@@ -259,7 +263,9 @@ class DeploymentRunner:
                 raise UpdateError(Cause.INTERRUPTED, f"{staged}: the download is gone") from e
             publishers = self._tuf_client().publishers()
             if not publishers:
-                raise UpdateError(Cause.PUBLISHER, "the signed targets metadata lists no publisher keys")
+                raise UpdateError(
+                    Cause.PUBLISHER, "the signed targets metadata lists no publisher keys"
+                )
             unpack = self.store.unpack_dir(record.model, record.to_version)
             self.store.discard_unpacked(unpack)
             try:

@@ -116,7 +116,9 @@ class ModelStore:
         """The install info of a whole installed version, or None."""
         from mcp_edge.agent.update.records import InstallInfo
 
-        info: InstallInfo | None = _read(self.version_dir(name, version) / INSTALL_INFO, InstallInfo)
+        info: InstallInfo | None = _read(
+            self.version_dir(name, version) / INSTALL_INFO, InstallInfo
+        )
         if info is None or (info.name, info.version) != (name, version):
             return None
         return info

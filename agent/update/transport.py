@@ -76,8 +76,9 @@ def open_partial(dest: Path, length: int) -> tuple[int, int]:
     try:
         start = os.fstat(fd).st_size
         if start > length:
-            log.warning("partial %s is longer than the %d bytes allowed; starting over",
-                        dest, length)
+            log.warning(
+                "partial %s is longer than the %d bytes allowed; starting over", dest, length
+            )
             os.ftruncate(fd, 0)
             start = 0
     except BaseException:

@@ -46,7 +46,7 @@ class _DirectoryReader:
     def path_of(self, url: str) -> Path:
         if not url.startswith(self.base):
             raise DownloadError(f"{url!r} is not inside the repository {self.base}")
-        relative = url[len(self.base):]
+        relative = url[len(self.base) :]
         try:
             validate_repo_path(relative)
         except MessageError as e:
@@ -138,7 +138,9 @@ class FileRepoTransport:
             src.seek(have)
             while chunk := src.read(min(CHUNK_BYTES, length - have - done + 1)):
                 if have + done + len(chunk) > length:
-                    raise DownloadLengthMismatchError(f"{url} grew past the {length} bytes expected")
+                    raise DownloadLengthMismatchError(
+                        f"{url} grew past the {length} bytes expected"
+                    )
                 out.write(chunk)
                 done += len(chunk)
                 if progress is not None:

@@ -99,12 +99,17 @@ class HttpRepoTransport:
         finally:
             os.close(fd)
 
-    def _download(self, fd: int, url: str, start: int, length: int, deadline: float,
-                  progress: Progress | None) -> int:
+    def _download(
+        self, fd: int, url: str, start: int, length: int, deadline: float, progress: Progress | None
+    ) -> int:
         headers = {"Range": f"bytes={start}-"} if start else {}
         try:
             response = self._pool.request(
-                "GET", url, headers=headers, preload_content=False, timeout=self._timeout,
+                "GET",
+                url,
+                headers=headers,
+                preload_content=False,
+                timeout=self._timeout,
                 redirect=True,
             )
         except urllib3.exceptions.TimeoutError as e:
@@ -115,7 +120,8 @@ class HttpRepoTransport:
             offset, declared = self._plan(fd, response, url, start)
             if declared is not None and declared > length:
                 raise DownloadLengthMismatchError(
-                    f"{url} is {declared} bytes, more than the {length} bytes allowed")
+                    f"{url} is {declared} bytes, more than the {length} bytes allowed"
+                )
             total = length if declared is None else declared
             if offset >= total and declared is not None:
                 return 0
@@ -124,7 +130,8 @@ class HttpRepoTransport:
                 for data in response.stream(_STREAM_BYTES):
                     if offset + len(data) > length:
                         raise DownloadLengthMismatchError(
-                            f"{url} sent more than the {length} bytes allowed")
+                            f"{url} sent more than the {length} bytes allowed"
+                        )
                     os.pwrite(fd, data, offset)
                     offset += len(data)
                     written += len(data)
@@ -146,8 +153,9 @@ class HttpRepoTransport:
             response.release_conn()
 
     @staticmethod
-    def _plan(fd: int, response: urllib3.BaseHTTPResponse, url: str,
-              start: int) -> tuple[int, int | None]:
+    def _plan(
+        fd: int, response: urllib3.BaseHTTPResponse, url: str, start: int
+    ) -> tuple[int, int | None]:
         """From the response's status and headers: ``(offset the body starts at, file size)``;
         the size is None when the server did not say."""
         status = response.status
@@ -158,16 +166,19 @@ class HttpRepoTransport:
             if total == start:
                 return start, total
             os.ftruncate(fd, 0)
-            raise DownloadError(f"{url}: the partial download ({start} bytes) does not fit the "
-                                f"file ({total} bytes); it was discarded")
+            raise DownloadError(
+                f"{url}: the partial download ({start} bytes) does not fit the "
+                f"file ({total} bytes); it was discarded"
+            )
         if status == 404:
             raise DownloadHTTPError(f"{url}: not found", 404)
         if status == 206:
             if match is None or match.group(1) is None:
                 raise DownloadError(f"{url}: 206 without a usable Content-Range")
             if int(match.group(1)) != start:
-                raise DownloadError(f"{url}: asked for bytes from {start}, got "
-                                    f"{content_range!r:.80}")
+                raise DownloadError(
+                    f"{url}: asked for bytes from {start}, got {content_range!r:.80}"
+                )
             return start, int(match.group(3))
         if status == 200:
             if start:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tuf.api import exceptions as tuf_errors
-from tuf.api.metadata import Metadata, TargetFile, Targets  # type: ignore[attr-defined]  # re-exported
+from tuf.api.metadata import Metadata, TargetFile, Targets
 from tuf.ngclient.config import UpdaterConfig
 from tuf.ngclient.updater import Updater
 

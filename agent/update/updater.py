@@ -323,7 +323,9 @@ class UpdateAgent:
             target_path=target.target_path, sha256=target.sha256, length=target.length,
             desired_seq=seq, now=self.clock(), rollback=rollback, canary=canary,
         )  # fmt: skip
-        log.info("deploying %s %s as %s (from %s)", name, target.version, role, current or "nothing")
+        log.info(
+            "deploying %s %s as %s (from %s)", name, target.version, role, current or "nothing"
+        )
         self.recorder.record(record, Phase.IDLE, EventOutcome.PROGRESS,
                              f"deployment as {role} from {current or 'nothing'} started")  # fmt: skip
         result = await self.runner.run(record)

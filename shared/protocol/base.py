@@ -83,7 +83,9 @@ LABELS_SCHEMA: dict[str, Any] = {
     "maxProperties": MAX_LABELS,
     "propertyNames": {"pattern": LABEL_KEY_PATTERN, "maxLength": 63},
     "additionalProperties": {
-        "type": "string", "pattern": LABEL_VALUE_PATTERN, "maxLength": MAX_LABEL_VALUE
+        "type": "string",
+        "pattern": LABEL_VALUE_PATTERN,
+        "maxLength": MAX_LABEL_VALUE,
     },
 }
 """The JSON Schema of :data:`Labels`: exactly what its check accepts."""

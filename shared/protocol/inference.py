@@ -25,9 +25,14 @@ from mcp_edge.shared.protocol.wire import (
 )
 
 __all__ = [
-    "MAX_TENSOR_ELEMENTS", "Datatype", "InferRequest", "InferResponse", "InferTensor",
+    "MAX_TENSOR_ELEMENTS",
+    "Datatype",
+    "InferRequest",
+    "InferResponse",
+    "InferTensor",
     "RequestedOutput",
 ]
+
 
 class InferTensor(Message):
     """One named tensor (a request input or a response output)."""

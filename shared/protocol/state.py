@@ -55,18 +55,30 @@ class CanarySpec(Message):
     """
 
     target: TargetRef
-    weight: float = Field(default=_DEFAULT.weight, ge=0.0, le=1.0,
-                          description="share of routed requests the canary answers, 0..1")
+    weight: float = Field(
+        default=_DEFAULT.weight,
+        ge=0.0,
+        le=1.0,
+        description="share of routed requests the canary answers, 0..1",
+    )
     max_error_rate: float = Field(
-        default=_DEFAULT.max_error_rate, ge=0.0, le=1.0,
+        default=_DEFAULT.max_error_rate,
+        ge=0.0,
+        le=1.0,
         description="share of failed requests in the window that takes the canary out, 0..1",
     )
     min_requests: int = Field(
-        default=_DEFAULT.min_requests, ge=1, le=MAX_CANARY_WINDOW,
+        default=_DEFAULT.min_requests,
+        ge=1,
+        le=MAX_CANARY_WINDOW,
         description="canary requests in the window before its error rate is judged",
     )
-    window: int = Field(default=_DEFAULT.window, ge=1, le=MAX_CANARY_WINDOW,
-                        description="the canary's latest requests the error rate is taken over")
+    window: int = Field(
+        default=_DEFAULT.window,
+        ge=1,
+        le=MAX_CANARY_WINDOW,
+        description="the canary's latest requests the error rate is taken over",
+    )
 
     @model_validator(mode="after")
     def _judged(self) -> CanarySpec:

@@ -47,8 +47,14 @@ def test_the_rest_api_desired_state_and_database_rows_default_to_the_one_policy(
     # policy columns (all NULL) built into a document.
     assert CanarySpec(target=TARGET).policy == DEFAULT_CANARY_POLICY
     row = DeviceModelView("cam", "digits", "1.0.0", canary_version="1.1.0")
-    state = build_desired_state("cam", 1, START, timedelta(days=1), [row], {
-        ("digits", "1.0.0"): _version("1.0.0"), ("digits", "1.1.0"): _version("1.1.0")})
+    state = build_desired_state(
+        "cam",
+        1,
+        START,
+        timedelta(days=1),
+        [row],
+        {("digits", "1.0.0"): _version("1.0.0"), ("digits", "1.1.0"): _version("1.1.0")},
+    )
     canary = state.models[0].canary
     assert canary is not None and canary.policy == DEFAULT_CANARY_POLICY
 
@@ -127,7 +133,11 @@ def test_the_encoded_spec_carries_what_was_set_and_leaves_out_default_judging() 
     policy = CanaryPolicy(weight=0.2, max_error_rate=0.5, min_requests=7, window=50)
     encoded = json.loads(CanarySpec.of(TARGET, policy).model_dump_json())
     assert {k: encoded[k] for k in ("weight", "max_error_rate", "min_requests", "window")} == {
-        "weight": 0.2, "max_error_rate": 0.5, "min_requests": 7, "window": 50}
+        "weight": 0.2,
+        "max_error_rate": 0.5,
+        "min_requests": 7,
+        "window": 50,
+    }
     assert CanarySpec.model_validate(encoded).policy == policy
 
 
@@ -142,8 +152,13 @@ def test_records_and_indexes_of_an_older_agent_keep_their_canary_policy() -> Non
     assert resumed.canary == CanaryPolicy(weight=0.3, max_error_rate=0.25)
     assert UpdateRecord.from_bytes(resumed.to_bytes()) == resumed
 
-    index = ModelIndex.model_validate({"name": "digits", "active": "1.0.0", "canary": {
-        "version": "1.1.0", "weight": 0.4, "max_error_rate": 0.2}})
+    index = ModelIndex.model_validate(
+        {
+            "name": "digits",
+            "active": "1.0.0",
+            "canary": {"version": "1.1.0", "weight": 0.4, "max_error_rate": 0.2},
+        }
+    )
     assert index.canary is not None
     assert index.canary.policy == CanaryPolicy(weight=0.4, max_error_rate=0.2)
 
