@@ -45,6 +45,8 @@ from mcp_edge.tooling.processes import (
     REPO,
     free_port,
     http_json,
+    init_control_plane,
+    serve_control_plane,
     stopped_at_exit,
     wait_until,
 )
@@ -132,13 +134,6 @@ def run(work: Path) -> dict[str, Any]:
     broker_dir.mkdir()
     result: dict[str, Any] = {}
     with DynsecMosquittoBroker(broker_dir) as broker, stopped_at_exit() as procs:
-        url = f"mqtt://{broker.host}:{broker.port}"
-        secret = work / "broker-admin.pw"
-        secret.write_text(broker.admin_password)
-        secret.chmod(0o600)
-        admin_pw = work / "admin.pw"
-        admin_pw.write_text("correct horse battery staple")
-
         # 1. the floor
         port = free_port()
         floor = subprocess.Popen(
@@ -179,42 +174,8 @@ def run(work: Path) -> dict[str, Any]:
 
         # 3. mcp-agent run, enrolled
         data = work / "cp"
-        token = cli(
-            *CONTROLPLANE,
-            "init",
-            "--data-dir",
-            str(data),
-            "--broker-url",
-            url,
-            "--broker-admin-url",
-            url,
-            "--broker-admin-user",
-            broker.admin_username,
-            "--broker-admin-password-file",
-            str(secret),
-            "--admin-user",
-            "admin",
-            "--admin-password-file",
-            str(admin_pw),
-        )
-        cp = subprocess.Popen(
-            [
-                *CONTROLPLANE,
-                "serve",
-                "--data-dir",
-                str(data),
-                "--listen",
-                f"127.0.0.1:{free_port()}",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            cwd=REPO,
-            env=ENV,
-        )
-        procs.append(cp)
-        assert cp.stdout is not None
-        cp_url = cp.stdout.readline().strip()
+        token = init_control_plane(data, broker, env=ENV)
+        _, cp_url = serve_control_plane(data, procs, env=ENV, stderr=subprocess.DEVNULL)
         enroll_token = cli(
             *CONTROLPLANE,
             "tokens",

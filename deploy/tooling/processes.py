@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -12,9 +13,12 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcp_edge.shared.netutil import free_port_below_ephemeral
+
+if TYPE_CHECKING:
+    from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT = [sys.executable, "-m", "mcp_edge.agent.cli"]
@@ -88,3 +92,70 @@ class Client(threading.Thread):
                     self.versions.append(answer["model_version"])
             except (OSError, ValueError, KeyError, TypeError) as e:
                 self.failures.append(repr(e))
+
+
+ADMIN_PASSWORD = "correct horse battery staple"
+"""The first admin's password in every control plane these helpers initialize."""
+
+
+def process_env() -> dict[str, str]:
+    """The environment the command-line programs run with: this one, the checkout importable."""
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def init_control_plane(
+    data: Path,
+    broker: DynsecMosquittoBroker,
+    *,
+    database_url: str | None = None,
+    create_admin: bool = True,
+    env: dict[str, str] | None = None,
+) -> str:
+    """``mcp-controlplane init`` of ``data`` with ``broker``'s dynamic-security admin (its
+    password in a 0600 file beside ``data``) as the broker to provision and the one devices
+    use; with ``create_admin`` also the first admin (password :data:`ADMIN_PASSWORD`).
+
+    Returns the admin's API token ("" without ``create_admin``). Raises AssertionError with
+    the program's stderr when init fails.
+    """
+    url = f"mqtt://{broker.host}:{broker.port}"
+    secret = data.parent / "broker-admin.pw"
+    secret.write_text(broker.admin_password)
+    secret.chmod(0o600)
+    admin: tuple[str, ...] = ()
+    if create_admin:
+        admin_pw = data.parent / "admin.pw"
+        admin_pw.write_text(ADMIN_PASSWORD)
+        admin = ("--admin-user", "admin", "--admin-password-file", str(admin_pw))
+    database: tuple[str, ...] = ("--database-url", database_url) if database_url else ()
+    done = subprocess.run(
+        [*CONTROLPLANE, "init", "--data-dir", str(data), *database, "--broker-url", url,
+         "--broker-admin-url", url, "--broker-admin-user", broker.admin_username,
+         "--broker-admin-password-file", str(secret), *admin],
+        capture_output=True, text=True, timeout=120, cwd=REPO, env=env or process_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1] if create_admin else ""
+
+
+def serve_control_plane(
+    data: Path,
+    procs: list[subprocess.Popen[str]],
+    *,
+    env: dict[str, str] | None = None,
+    stderr: int = subprocess.PIPE,
+) -> tuple[subprocess.Popen[str], str]:
+    """Start ``mcp-controlplane serve`` of ``data`` on a free port (appended to ``procs``) and
+    return it with the URL it printed once listening. Raises AssertionError (with its stderr,
+    when piped) if it exits instead."""
+    proc = subprocess.Popen(
+        [*CONTROLPLANE, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
+        stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO, env=env or process_env(),
+    )  # fmt: skip
+    procs.append(proc)
+    assert proc.stdout is not None
+    url = proc.stdout.readline().strip()
+    if not url.startswith("http://"):
+        why = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else url
+        raise AssertionError(f"mcp-controlplane serve did not start: {why}")
+    return proc, url

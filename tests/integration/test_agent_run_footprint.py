@@ -34,6 +34,8 @@ from mcp_edge.tooling.processes import (
     CONTROLPLANE,
     REPO,
     free_port,
+    init_control_plane,
+    serve_control_plane,
     stopped_at_exit,
     wait_until,
 )
@@ -95,7 +97,6 @@ def test_enrolled_agent_serves_and_reports_without_pydantic_or_tuf_until_a_deplo
     processes: list[subprocess.Popen[str]],
 ) -> None:  # fmt: skip
     broker = fresh_dynsec_broker
-    broker_url = f"mqtt://{broker.host}:{broker.port}"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def sh(*args: Any) -> str:
@@ -104,24 +105,9 @@ def test_enrolled_agent_serves_and_reports_without_pydantic_or_tuf_until_a_deplo
         assert done.returncode == 0, f"{args[2:5]}: {done.stdout}\n{done.stderr}"
         return done.stdout
 
-    secret = tmp_path / "broker-admin.pw"
-    secret.write_text(broker.admin_password)
-    secret.chmod(0o600)
-    admin_pw = tmp_path / "admin.pw"
-    admin_pw.write_text("correct horse battery staple")
     data = tmp_path / "cp"
-    api = sh(*CONTROLPLANE, "init", "--data-dir", data, "--broker-url", broker_url,
-             "--broker-admin-url", broker_url, "--broker-admin-user", broker.admin_username,
-             "--broker-admin-password-file", secret, "--admin-user", "admin",
-             "--admin-password-file", admin_pw).strip().splitlines()[-1]  # fmt: skip
-    cp = subprocess.Popen(
-        [*CONTROLPLANE, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO, env=env,
-    )  # fmt: skip
-    processes.append(cp)
-    assert cp.stdout is not None
-    cp_url = cp.stdout.readline().strip()
-    assert cp_url.startswith("http://")
+    api = init_control_plane(data, broker, env=env)
+    _, cp_url = serve_control_plane(data, processes, env=env, stderr=subprocess.DEVNULL)
     auth = ("--server", cp_url, "--token", api)
     token = sh(*CONTROLPLANE, "tokens", "create", "--uses", "1", "--expires", "1h", *auth)
     state = tmp_path / "agent"

@@ -31,6 +31,8 @@ from mcp_edge.tooling.processes import (
     REPO,
     Client,
     free_port,
+    init_control_plane,
+    serve_control_plane,
     stopped_at_exit,
     wait_until,
 )
@@ -69,7 +71,6 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
     processes: list[subprocess.Popen[str]],
 ) -> None:
     broker = fresh_dynsec_broker
-    broker_url = f"mqtt://{broker.host}:{broker.port}"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
     def sh(*args: Any, timeout: float = 120) -> str:
@@ -84,43 +85,9 @@ def test_publish_deploy_serve_then_hot_swap_without_a_failed_request(
         assert done.returncode == 0, f"{args[2:5]}: {done.stdout}\n{done.stderr}"
         return done.stdout
 
-    secret = tmp_path / "broker-admin.pw"
-    secret.write_text(broker.admin_password)
-    secret.chmod(0o600)
-    admin_pw = tmp_path / "admin.pw"
-    admin_pw.write_text("correct horse battery staple")
     data = tmp_path / "cp"
-    out = sh(
-        *CP,
-        "init",
-        "--data-dir",
-        data,
-        "--broker-url",
-        broker_url,
-        "--broker-admin-url",
-        broker_url,
-        "--broker-admin-user",
-        broker.admin_username,
-        "--broker-admin-password-file",
-        secret,
-        "--admin-user",
-        "admin",
-        "--admin-password-file",
-        admin_pw,
-    )
-    api = out.strip().splitlines()[-1]
-    cp = subprocess.Popen(
-        [*CP, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=env,
-    )
-    processes.append(cp)
-    assert cp.stdout is not None
-    cp_url = cp.stdout.readline().strip()
-    assert cp_url.startswith("http://"), cp.stderr.read() if cp.poll() is not None else cp_url
+    api = init_control_plane(data, broker, env=env)
+    _, cp_url = serve_control_plane(data, processes, env=env)
     auth = ("--server", cp_url, "--token", api)
 
     # The ML team's key, registered as a publisher; two signed versions of the digits model.

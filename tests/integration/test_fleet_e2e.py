@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import urllib.request
@@ -24,6 +23,9 @@ from mcp_edge.tooling.processes import (
     CONTROLPLANE,
     REPO,
     free_port,
+    init_control_plane,
+    process_env,
+    serve_control_plane,
     stopped_at_exit,
     wait_until,
 )
@@ -56,53 +58,10 @@ def test_enroll_two_agents_infer_over_mqtt_and_see_offline_by_will(
     processes: list[subprocess.Popen[str]],
 ) -> None:
     broker = fresh_dynsec_broker
-    broker_url = f"mqtt://{broker.host}:{broker.port}"
-    secret = tmp_path / "broker-admin.pw"
-    secret.write_text(broker.admin_password)
-    secret.chmod(0o600)
-    admin_pw = tmp_path / "admin.pw"
-    admin_pw.write_text("correct horse battery staple")
     data = tmp_path / "cp"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    init = subprocess.run(
-        [
-            *CP,
-            "init",
-            "--data-dir",
-            str(data),
-            "--broker-url",
-            broker_url,
-            "--broker-admin-url",
-            broker_url,
-            "--broker-admin-user",
-            broker.admin_username,
-            "--broker-admin-password-file",
-            str(secret),
-            "--admin-user",
-            "admin",
-            "--admin-password-file",
-            str(admin_pw),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env=env,
-    )
-    assert init.returncode == 0, init.stderr
-    api_token = init.stdout.strip().splitlines()[-1]
-    cp = subprocess.Popen(
-        [*CP, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=env,
-    )
-    processes.append(cp)
-    assert cp.stdout is not None
-    cp_url = cp.stdout.readline().strip()
-    assert cp_url.startswith("http://"), cp.stderr.read() if cp.poll() is not None else cp_url
+    env = process_env()
+    api_token = init_control_plane(data, broker, env=env)
+    _, cp_url = serve_control_plane(data, processes, env=env)
     token = subprocess.run(
         [
             *CP,

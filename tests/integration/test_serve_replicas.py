@@ -5,7 +5,6 @@ broker accounts whatever order they start and restart in, and ``/readyz`` and
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import urllib.error
@@ -24,14 +23,16 @@ from mcp_edge.tooling.processes import (
     REPO,
     free_port,
     http_json,
+    init_control_plane,
+    process_env,
+    serve_control_plane,
     stopped_at_exit,
     wait_until,
 )
 from tests.integration.conftest import dynsec_request
 
 pytestmark = pytest.mark.mosquitto
-ENV = {**os.environ, "PYTHONPATH": str(REPO)}
-ADMIN_PASSWORD = "correct horse battery staple"
+ENV = process_env()
 
 
 @dataclass
@@ -43,46 +44,12 @@ class Site:
     database_url: str
     token: str = ""
 
-    def init(self, data: Path) -> subprocess.CompletedProcess[str]:
+    def init(self, data: Path) -> None:
         """``init`` a data dir on the shared database; the first one creates the admin."""
-        url = f"mqtt://{self.broker.host}:{self.broker.port}"
-        secret = self.tmp / "broker-admin.pw"
-        secret.write_text(self.broker.admin_password)
-        secret.chmod(0o600)
-        admin_pw = self.tmp / "admin.pw"
-        admin_pw.write_text(ADMIN_PASSWORD)
-        done = subprocess.run(
-            [
-                *CONTROLPLANE,
-                "init",
-                "--data-dir",
-                str(data),
-                "--database-url",
-                self.database_url,
-                "--broker-url",
-                url,
-                "--broker-admin-url",
-                url,
-                "--broker-admin-user",
-                self.broker.admin_username,
-                "--broker-admin-password-file",
-                str(secret),
-                *(
-                    ()
-                    if self.token
-                    else ("--admin-user", "admin", "--admin-password-file", str(admin_pw))
-                ),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=REPO,
-            env=ENV,
+        token = init_control_plane(
+            data, self.broker, database_url=self.database_url, create_admin=not self.token
         )
-        assert done.returncode == 0, done.stderr
-        if not self.token:
-            self.token = done.stdout.strip().splitlines()[-1]
-        return done
+        self.token = self.token or token
 
     def admin(self, commands: list[dict[str, object]]) -> list[dict[str, object]]:
         b = self.broker
@@ -122,18 +89,7 @@ def processes() -> Iterator[list[subprocess.Popen[str]]]:
 def start_serve(
     data: Path, procs: list[subprocess.Popen[str]], *, env: dict[str, str] | None = None
 ) -> Serve:
-    proc = subprocess.Popen(
-        [*CONTROLPLANE, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-        env=env or ENV,
-    )
-    procs.append(proc)
-    assert proc.stdout is not None
-    url = proc.stdout.readline().strip()
-    assert url.startswith("http://"), proc.stderr.read() if proc.poll() is not None else url
+    proc, url = serve_control_plane(data, procs, env=env or ENV)
     serve = Serve(proc, url)
     wait_until(lambda: serve.ready()[0] == 200, f"{url}/readyz ready", 60)
     return serve
