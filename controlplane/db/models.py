@@ -249,6 +249,13 @@ class InferenceStatsRow(Base):
     queue_depth: Mapped[int] = mapped_column(Integer)
     batch_size_avg: Mapped[float | None] = mapped_column(Float)
     batch_fill_ratio: Mapped[float | None] = mapped_column(Float)
+    # 0007: which role the version had on the device (stable, canary, shadow; NULL: stable, as
+    # reported before roles), its latency histogram ({"edges_ms": [...], "counts": [...]}) and,
+    # for a shadow, how many of its answers were compared with the stable one and agreed.
+    role: Mapped[str | None] = mapped_column(String(16))
+    latency_hist: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    shadow_compared: Mapped[int | None] = mapped_column(BigInteger)
+    shadow_agreed: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class DeploymentEventRow(Base):
@@ -370,6 +377,8 @@ class DeploymentRow(Base):
     created_by: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime]
     devices_matched: Mapped[int] = mapped_column(Integer, default=0)
+    prefetch_version: Mapped[str | None] = mapped_column(String(128))  # 0007
+    rollout_id: Mapped[int | None] = mapped_column(BigId, index=True)  # 0007: made by a rollout
 
 
 class DeviceModelRow(Base):
@@ -386,6 +395,7 @@ class DeviceModelRow(Base):
     canary_min_requests: Mapped[int | None] = mapped_column(Integer)  # 0006; NULL: default
     shadow_version: Mapped[str | None] = mapped_column(String(128))
     rollback: Mapped[bool] = mapped_column(Boolean, default=False)
+    prefetch_version: Mapped[str | None] = mapped_column(String(128))  # 0007
     deployment_id: Mapped[int | None] = mapped_column(
         BigId, ForeignKey("deployments.id", ondelete="SET NULL")
     )
@@ -424,3 +434,88 @@ class AppClient(Base):
     created_by: Mapped[str] = mapped_column(String(128))
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
+
+
+# ---------------------------------------------------------------------------- rollouts (0007)
+# A staged rollout (controlplane.rollouts): its spec and engine state, where each target device
+# stands, every decision taken (the history), and webhook deliveries waiting to go out.
+
+
+class RolloutRow(Base):
+    """One rollout. ``spec`` is what the operator asked (validated), ``state`` the engine's
+    state without the devices (those are :class:`RolloutDeviceRow`). ``step_seq`` grows on
+    every step written: a replica writes a step only over the ``step_seq`` it read, so a step
+    is never applied twice. ``lease_owner``/``lease_until``: the replica driving it."""
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(64), index=True)
+    version: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(24), index=True)
+    stage: Mapped[int] = mapped_column(Integer, default=0)
+    spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    state: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    target_devices: Mapped[int] = mapped_column(Integer, default=0)
+    created_by: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+    ended_at: Mapped[datetime | None]
+    step_seq: Mapped[int] = mapped_column(BigInteger, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_until: Mapped[datetime | None]
+
+
+class RolloutDeviceRow(Base):
+    """Where one target device stands in a rollout. ``moves``: how many times it was told to
+    run the new version (a device is moved once per rollout unless it was reverted)."""
+
+    __tablename__ = "rollout_devices"
+    __table_args__ = (Index("ix_rollout_devices_device_id", "device_id"),)
+
+    rollout_id: Mapped[int] = mapped_column(
+        BigId, ForeignKey("rollouts.id", ondelete="CASCADE"), primary_key=True
+    )
+    device_id: Mapped[str] = mapped_column(String(64), _device_fk(), primary_key=True)
+    stage: Mapped[int] = mapped_column(Integer)
+    phase: Mapped[str] = mapped_column(String(16))
+    since: Mapped[datetime]
+    told_at: Mapped[datetime | None]
+    from_version: Mapped[str | None] = mapped_column(String(128))
+    mode: Mapped[str | None] = mapped_column(String(16))
+    moves: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class RolloutEventRow(Base):
+    """One decision or operator action on a rollout: its history, with who and why."""
+
+    __tablename__ = "rollout_events"
+    __table_args__ = (Index("ix_rollout_events_rollout_id_id", "rollout_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[int] = mapped_column(BigId, ForeignKey("rollouts.id", ondelete="CASCADE"))
+    at: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(32))
+    stage: Mapped[int | None] = mapped_column(Integer)
+    actor: Mapped[str] = mapped_column(String(128))
+    reason: Mapped[str] = mapped_column(String(2048), default="")
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class WebhookDeliveryRow(Base):
+    """One event for one configured webhook, kept until delivered (or given up on)."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_deliveries_pending", "delivered_at", "next_attempt_at"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(String(64))
+    webhook: Mapped[str] = mapped_column(String(64))
+    event: Mapped[str] = mapped_column(String(64))
+    body: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime]
+    next_attempt_at: Mapped[datetime]
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    delivered_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    last_error: Mapped[str] = mapped_column(String(512), default="")
