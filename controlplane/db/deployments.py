@@ -60,6 +60,8 @@ class DeploymentView:
     created_by: str
     created_at: datetime
     devices_matched: int
+    prefetch_version: str | None = None
+    rollout_id: int | None = None
 
     @property
     def canary_policy(self) -> CanaryPolicy | None:
@@ -86,6 +88,8 @@ class DeviceModelView:
     rollback: bool = False
     deployment_id: int | None = None
     updated_at: datetime | None = None
+    prefetch_version: str | None = None
+    """Downloaded and verified ahead, not run (a rollout's prefetch stage)."""
 
     @property
     def canary_policy(self) -> CanaryPolicy | None:
@@ -172,6 +176,8 @@ def _deployment_view(row: DeploymentRow) -> DeploymentView:
         created_by=row.created_by,
         created_at=row.created_at,
         devices_matched=row.devices_matched,
+        prefetch_version=row.prefetch_version,
+        rollout_id=row.rollout_id,
     )
 
 
@@ -188,6 +194,7 @@ def _device_model_view(row: DeviceModelRow) -> DeviceModelView:
         rollback=row.rollback,
         deployment_id=row.deployment_id,
         updated_at=row.updated_at,
+        prefetch_version=row.prefetch_version,
     )
 
 
@@ -292,6 +299,7 @@ async def put_device_model(tx: Tx, view: DeviceModelView, *, now: datetime) -> N
     row.canary_min_requests = view.canary_min_requests
     row.shadow_version = view.shadow_version
     row.rollback = view.rollback
+    row.prefetch_version = view.prefetch_version
     row.deployment_id = view.deployment_id
     row.updated_at = now
     await tx.flush()
