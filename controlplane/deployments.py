@@ -153,6 +153,22 @@ class Outcome:
     publisher: bool = True
 
 
+@dataclass(frozen=True)
+class Placement:
+    """What one device should run of a model after a rollout step: ``stable`` None removes
+    the model (the device had none before the rollout)."""
+
+    device_id: str
+    stable: str | None
+    canary: tuple[str, CanaryPolicy] | None = None
+    shadow: str | None = None
+    prefetch: str | None = None
+    rollback: bool = False
+
+    def key(self) -> tuple[object, ...]:
+        return (self.stable, self.canary, self.shadow, self.prefetch, self.rollback)
+
+
 class DeploymentService:
     """Deploy, undeploy, and keep every device's signed desired state fresh and published.
 
@@ -255,9 +271,9 @@ class DeploymentService:
                 created_at=now,
                 devices_matched=len(ids),
             )
-            for device_id in ids:
-                await q.put_device_model(
-                    tx,
+            await q.put_device_models(
+                tx,
+                [
                     DeviceModelView(
                         device_id=device_id,
                         model=model,
@@ -267,9 +283,11 @@ class DeploymentService:
                         shadow_version=shadow,
                         rollback=rollback,
                         deployment_id=deployment.id,
-                    ),
-                    now=now,
-                )
+                    )
+                    for device_id in ids
+                ],
+                now=now,
+            )
             seqs = await self._issue(tx, ids, now, key)
             await self._audit(tx, now, actor, "deployment.created", deployment, skipped)
         log.info(
@@ -393,6 +411,84 @@ class DeploymentService:
             )
         log.info("device %s accepted: deployments %s applied", device_id, applied)
         return await self._publish_issued(seqs)
+
+    # ------------------------------------------------------------------ rollouts
+    async def place(
+        self,
+        tx: Tx,
+        model: str,
+        placements: Sequence[Placement],
+        *,
+        rollout_id: int,
+        actor: str,
+        now: datetime,
+        key: PrivateKey,
+    ) -> dict[str, int]:
+        """Within the caller's transaction, make each device run what its :class:`Placement`
+        says of ``model`` (a rollout's step), record one deployment row per distinct placement
+        (``rollout_id`` set, no selector), and issue every touched device's next desired
+        state. Returns ``{device: seq}``; publish with :meth:`publish_issued` after the commit.
+        The versions must be published (the rollout checked them when it was created)."""
+        groups: dict[tuple[object, ...], list[Placement]] = {}
+        for p in placements:
+            groups.setdefault(p.key(), []).append(p)
+        removed: list[str] = []
+        for group in groups.values():
+            first = group[0]
+            policy = canary_columns(first.canary[1] if first.canary else None)
+            deployment = await q.insert_deployment(
+                tx,
+                action=DEPLOY if first.stable is not None else UNDEPLOY,
+                model=model,
+                version=first.stable,
+                canary_version=first.canary[0] if first.canary else None,
+                **policy,
+                shadow_version=first.shadow,
+                prefetch_version=first.prefetch,
+                rollback=first.rollback,
+                created_by=actor,
+                created_at=now,
+                devices_matched=len(group),
+                rollout_id=rollout_id,
+            )
+            if first.stable is None:
+                removed.extend(p.device_id for p in group)
+                continue
+            await q.put_device_models(
+                tx,
+                [
+                    DeviceModelView(
+                        device_id=p.device_id,
+                        model=model,
+                        stable_version=first.stable,
+                        canary_version=first.canary[0] if first.canary else None,
+                        **policy,
+                        shadow_version=first.shadow,
+                        prefetch_version=first.prefetch,
+                        rollback=first.rollback,
+                        deployment_id=deployment.id,
+                    )
+                    for p in group
+                ],
+                now=now,
+            )
+        await q.remove_device_models(tx, model, removed)
+        return await self._issue(tx, [p.device_id for p in placements], now, key)
+
+    async def director_key(self) -> PrivateKey:
+        """The director key documents are signed with (read each time: it may be rotated)."""
+        return await self._director_key()
+
+    async def publish_issued(self, seqs: Mapping[str, int]) -> list[Issued]:
+        """Publish the documents :meth:`place` issued (after their transaction committed)."""
+        return await self._publish_issued(seqs)
+
+    async def refuse_downgrades(
+        self, tx: Tx, model: str, version: VersionView, device_ids: list[str]
+    ) -> None:
+        """Raise :class:`DowngradeError` when ``version`` is below what any of the devices
+        runs or was told to run (a rollout never goes down; a rollback deploy does)."""
+        await self._refuse_downgrades(tx, model, {"stable": version}, device_ids, False)
 
     # ------------------------------------------------------------------ upkeep
     async def maintain(self) -> int:
@@ -549,7 +645,7 @@ class DeploymentService:
             (m.model, v)
             for ms in models.values()
             for m in ms
-            for v in (m.stable_version, m.canary_version, m.shadow_version)
+            for v in (m.stable_version, m.canary_version, m.shadow_version, m.prefetch_version)
             if v
         }
         versions = await q.get_versions(tx, pairs)

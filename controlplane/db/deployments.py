@@ -7,12 +7,13 @@ registry's ``model_versions`` table (filled by publishing).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import and_, delete, or_, select, tuple_, update
+from sqlalchemy.dialects import postgresql, sqlite
 
 from mcp_edge.controlplane.db.engine import Tx
 from mcp_edge.controlplane.db.models import (
@@ -303,6 +304,35 @@ async def put_device_model(tx: Tx, view: DeviceModelView, *, now: datetime) -> N
     row.deployment_id = view.deployment_id
     row.updated_at = now
     await tx.flush()
+
+
+async def put_device_models(tx: Tx, views: Sequence[DeviceModelView], *, now: datetime) -> None:
+    """Create or replace many device models at once: one upsert per 500 rows (a rollout step
+    may place a version on thousands of devices)."""
+    table = DeviceModelRow.__table__
+    dialect_insert: Any = (
+        sqlite.insert if tx.get_bind().dialect.name == "sqlite" else postgresql.insert
+    )
+    columns = (
+        "stable_version", "canary_version", "canary_weight", "canary_max_error_rate",
+        "canary_min_requests", "shadow_version", "rollback", "prefetch_version",
+        "deployment_id", "updated_at",
+    )  # fmt: skip
+    rows = [
+        {
+            "device_id": v.device_id,
+            "model": v.model,
+            **{c: getattr(v, c) for c in columns if c != "updated_at"},
+            "updated_at": now,
+        }
+        for v in views
+    ]
+    for i in range(0, len(rows), 500):
+        stmt = dialect_insert(table).values(rows[i : i + 500])
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["device_id", "model"], set_={c: stmt.excluded[c] for c in columns}
+        )
+        await tx.execute(stmt)
 
 
 async def remove_device_models(tx: Tx, model: str, device_ids: Collection[str]) -> None:
