@@ -173,8 +173,10 @@ class DeviceProgress:
     since: float = 0.0
     """When ``phase`` was entered."""
     told_at: float | None = None
-    """When the device was last told to move (prefetch, move or revert): the rate limit's
-    clock."""
+    """When the device was first told to take the new version (its prefetch, or its move in a
+    stage without prefetch): the rate limit's clock, and the mark of a device the rollout
+    touched. Later tells (the move after a prefetch, the final switch, a revert) change
+    ``phase`` and ``since`` only, so they never count against the rate limit."""
     from_version: str | None = None
     """The stable version it should run before the rollout (None: it had none)."""
     mode: StageMode | None = None
@@ -211,6 +213,11 @@ class RolloutState:
     """Why the rollout is in its status, for a human."""
     finalized: bool = False
     """On success: devices of canary and shadow stages were told to switch."""
+    reported_invalid: frozenset[str] = frozenset()
+    """Devices of the current stage whose invalid figures an ``ignored_stats`` decision already
+    named (so the decision comes once per device and stage)."""
+    reported_dry_run: frozenset[GateMetric] = frozenset()
+    """Dry-run gates of the current stage whose failure a decision already reported."""
 
 
 @dataclass(frozen=True)
