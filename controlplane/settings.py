@@ -22,6 +22,16 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     repository_http = true                      # false: /repo/... answers 403 (MQTT only)
     replica_name = "cp-east-1"                  # absent: cp-{host}-{id kept in the data dir}
 
+    [[webhooks]]                                # any number; event delivery, docs/webhooks.md
+    name = "ops"                                # identifier: letters, digits, ``_.-``, <= 64
+    url = "https://hooks.example/mcp"           # http:// or https:// only
+    secret_file = "/etc/mcp/webhook-ops.secret" # HMAC key, >= 32 bytes, read at serve time
+    events = ["rollout.*"]                      # patterns; absent: every event ("*")
+    timeout_s = 5.0                             # one POST, connect to last byte
+    max_attempts = 12                           # then the delivery is given up
+
+Webhooks are read from the file (or ``overrides``) only, never from the environment.
+
 Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES``, ``MCP_REPOSITORY_HTTP`` and
 ``MCP_REPLICA_NAME``.
 """
@@ -31,11 +41,14 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from mcp_edge.controlplane.replica import valid_replica_name
 from mcp_edge.shared.errors import McpError
@@ -67,6 +80,168 @@ class EnrollmentApproval(str, enum.Enum):
 
     TOKEN = "token"
     MANUAL = "manual"
+
+
+WEBHOOK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+EVENT_TYPE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)+$")
+"""An event type: dot-separated lower-case words, such as ``rollout.stage_started``."""
+EVENT_PATTERN = re.compile(r"^(\*|[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*(\.\*)?)$")
+MAX_EVENT_TYPE = 64
+MAX_WEBHOOK_URL = 2048
+MIN_WEBHOOK_SECRET_BYTES = 32
+MAX_WEBHOOK_SECRET_BYTES = 4096
+_WEBHOOK_KEYS = frozenset({"name", "url", "secret_file", "events", "timeout_s", "max_attempts"})
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    """One ``[[webhooks]]`` entry: where events go and which ones.
+
+    ``events`` holds patterns: ``*`` (every event), an exact type (``rollout.succeeded``) or a
+    prefix ending in ``.*`` (``rollout.*``: every type starting with ``rollout.``).
+    ``timeout_s`` bounds one POST (seconds); after ``max_attempts`` failed POSTs a delivery is
+    given up. The secret is not held here: :meth:`read_secret` reads it at serve time.
+    """
+
+    name: str
+    url: str
+    secret_file: Path
+    events: tuple[str, ...] = ("*",)
+    timeout_s: float = 5.0
+    max_attempts: int = 12
+
+    def accepts(self, event: str) -> bool:
+        """Whether ``event`` (an event type) matches one of :attr:`events`."""
+        return any(event_matches(pattern, event) for pattern in self.events)
+
+    def read_secret(self) -> bytes:
+        """The HMAC key: the bytes of ``secret_file`` less a trailing newline.
+
+        Raises :class:`SettingsError` when the file is missing, not a regular file, readable or
+        writable by others (group access is allowed, for a secret shared through a group), or
+        holds fewer than 32 or more than 4096 bytes. ``others`` means any bit of ``0o007``.
+        """
+        path = self.secret_file
+        where = f"webhook {self.name!r}: secret_file {path}"
+        try:
+            st = path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                raise SettingsError(f"{where} is not a regular file")
+            if st.st_mode & 0o007:
+                raise SettingsError(
+                    f"{where} has permissions {stat.S_IMODE(st.st_mode):04o}; others must have "
+                    f"no access to a webhook secret (chmod 600 {path}, or 640 for a group)"
+                )
+            with path.open("rb") as f:
+                raw = f.read(MAX_WEBHOOK_SECRET_BYTES + 3)
+        except OSError as e:
+            raise SettingsError(f"{where} cannot be read: {e.strerror or e}") from e
+        secret = raw.rstrip(b"\r\n")
+        if len(secret) > MAX_WEBHOOK_SECRET_BYTES:
+            raise SettingsError(f"{where} is larger than {MAX_WEBHOOK_SECRET_BYTES} bytes")
+        if len(secret) < MIN_WEBHOOK_SECRET_BYTES:
+            raise SettingsError(
+                f"{where} holds {len(secret)} bytes; a webhook secret needs at least "
+                f"{MIN_WEBHOOK_SECRET_BYTES} (openssl rand -hex 32 > {path})"
+            )
+        return secret
+
+
+def event_matches(pattern: str, event: str) -> bool:
+    """Whether the event type ``event`` matches ``pattern`` (see :class:`WebhookConfig`)."""
+    if pattern == "*":
+        return True
+    if pattern.endswith(".*"):
+        return event.startswith(pattern[:-1])
+    return event == pattern
+
+
+def _webhook(index: int, entry: object) -> WebhookConfig:
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"webhooks[{index}] must be a table ([[webhooks]])")
+    unknown = sorted(str(k) for k in entry if k not in _WEBHOOK_KEYS)
+    if unknown:
+        raise ValueError(
+            f"webhooks[{index}]: unknown key(s) {', '.join(unknown)}; "
+            f"known: {', '.join(sorted(_WEBHOOK_KEYS))}"
+        )
+    name = entry.get("name")
+    if not isinstance(name, str) or not WEBHOOK_NAME.match(name):
+        raise ValueError(
+            f"webhooks[{index}]: name {name!r} must be 1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    where = f"webhook {name!r}"
+    url = entry.get("url")
+    if not isinstance(url, str):
+        raise ValueError(f"{where}: url is missing")
+    _check_webhook_url(where, url)
+    secret_file = entry.get("secret_file")
+    if not isinstance(secret_file, str) or not secret_file:
+        raise ValueError(f"{where}: secret_file (a path to the HMAC secret) is missing")
+    events = entry.get("events", ["*"])
+    if not isinstance(events, list) or not all(isinstance(e, str) for e in events):
+        raise ValueError(f"{where}: events must be a list of event-type patterns")
+    if not events:
+        raise ValueError(f"{where}: events is empty; leave it out to receive every event")
+    for pattern in events:
+        if len(pattern) > MAX_EVENT_TYPE or not EVENT_PATTERN.match(pattern):
+            raise ValueError(
+                f"{where}: event pattern {pattern!r} must be '*', a type such as "
+                "'rollout.succeeded', or a prefix such as 'rollout.*'"
+            )
+    timeout = entry.get("timeout_s", 5.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"{where}: timeout_s must be a number of seconds")
+    if not 0.1 <= timeout <= 60.0:
+        raise ValueError(f"{where}: timeout_s must be between 0.1 and 60 seconds")
+    attempts = entry.get("max_attempts", 12)
+    if isinstance(attempts, bool) or not isinstance(attempts, int):
+        raise ValueError(f"{where}: max_attempts must be an integer")
+    if not 1 <= attempts <= 100:
+        raise ValueError(f"{where}: max_attempts must be between 1 and 100")
+    return WebhookConfig(
+        name=name,
+        url=url,
+        secret_file=Path(secret_file).expanduser().absolute(),
+        events=tuple(dict.fromkeys(events)),
+        timeout_s=float(timeout),
+        max_attempts=attempts,
+    )
+
+
+def _check_webhook_url(where: str, url: str) -> None:
+    if len(url) > MAX_WEBHOOK_URL:
+        raise ValueError(f"{where}: url is longer than {MAX_WEBHOOK_URL} characters")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise ValueError(f"{where}: url {url!r} contains spaces or control characters")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parses the port, raising ValueError when it is not a number
+    except ValueError as e:
+        raise ValueError(f"{where}: url {url!r} does not parse: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"{where}: url {url!r} must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError(f"{where}: url {url!r} names no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            f"{where}: url must not carry credentials (user:password@); receivers verify the "
+            "X-MCP-Signature header instead"
+        )
+    if parts.fragment:
+        raise ValueError(f"{where}: url must not have a #fragment")
+
+
+def _parse_webhooks(value: object) -> tuple[WebhookConfig, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError("webhooks must be a list of tables ([[webhooks]] entries)")
+    hooks = tuple(_webhook(i, entry) for i, entry in enumerate(value))
+    names = [h.name for h in hooks]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"webhook name(s) used twice: {', '.join(duplicates)}")
+    return hooks
 
 
 class PasswordCost(str, enum.Enum):
@@ -111,6 +286,8 @@ class Settings:
     replica_name: str | None = None
     """This replica's broker identity; None: ``cp-{host}-{id}``, the id kept in the data dir
     (:mod:`controlplane.replica`)."""
+    webhooks: tuple[WebhookConfig, ...] = ()
+    """Where events (rollout transitions, ...) are delivered (:mod:`controlplane.webhooks`)."""
 
     @property
     def broker_configured(self) -> bool:
@@ -242,6 +419,8 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             changes["desired_ttl_s"] = ttl
         if values.get("replica_name"):
             changes["replica_name"] = valid_replica_name(str(values["replica_name"]))
+        if values.get("webhooks") is not None:
+            changes["webhooks"] = _parse_webhooks(values["webhooks"])
     except (ValueError, TypeError) as e:
         raise SettingsError(f"{origin}: {e}") from e
     return replace(settings, **changes)
@@ -313,6 +492,16 @@ def write_config_file(settings: Settings) -> Path:
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
         f"{k} = {_toml_value(v)}\n" for k, v in values.items()
     )
+    for hook in settings.webhooks:  # tables come after every top-level key in TOML
+        entry: dict[str, object] = {
+            "name": hook.name,
+            "url": hook.url,
+            "secret_file": str(hook.secret_file),
+            "events": list(hook.events),
+            "timeout_s": hook.timeout_s,
+            "max_attempts": hook.max_attempts,
+        }
+        text += "\n[[webhooks]]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in entry.items())
     atomic_write_bytes(settings.config_path, text.encode("utf-8"), mode=0o600)
     return settings.config_path
 
