@@ -216,6 +216,13 @@ async def model_exists(tx: Tx, model: str) -> bool:
     return (await tx.execute(select(Model.name).where(Model.name == model))).first() is not None
 
 
+async def lock_model(tx: Tx, model: str) -> None:
+    """Hold the model's row until the transaction ends (``SELECT ... FOR UPDATE`` on
+    PostgreSQL; SQLite's write transactions are serial already), so two rollouts of one model
+    are never created at once past each other's overlap check."""
+    await tx.execute(select(Model.name).where(Model.name == model).with_for_update())
+
+
 async def get_versions(
     tx: Tx, pairs: Collection[tuple[str, str]]
 ) -> dict[tuple[str, str], VersionView]:
