@@ -38,7 +38,9 @@ def build_desired_state(
     versions: Mapping[tuple[str, str], VersionView],
 ) -> DesiredState:
     """The whole desired state of one device from its desired models; a model whose version
-    is no longer published is left out (logged). Raises pydantic's ValidationError when the
+    is no longer published is left out (logged). A ``prefetch_version`` that is no longer
+    published, or that the model already runs as stable, canary or shadow, is left out of its
+    model alone (logged): the model keeps serving. Raises pydantic's ValidationError when the
     document would break its schema (more than 64 models)."""
     entries: list[DesiredModel] = []
     for m in models:
@@ -66,11 +68,38 @@ def build_desired_state(
                 else None,
                 shadow=_ref(shadow) if shadow else None,
                 rollback=m.rollback,
+                prefetch=_prefetch(device_id, m, versions),
             )
         )
     return DesiredState(
         device_id=device_id, seq=seq, issued_at=now, expires=now + ttl, models=entries
     )
+
+
+def _prefetch(
+    device_id: str, m: DeviceModelView, versions: Mapping[tuple[str, str], VersionView]
+) -> TargetRef | None:
+    """The target ``m`` asks the device to prefetch, or None (none asked, or left out)."""
+    if not m.prefetch_version:
+        return None
+    if m.prefetch_version in (m.stable_version, m.canary_version, m.shadow_version):
+        log.info(
+            "device %s: %s %s already runs; no prefetch of it",
+            device_id,
+            m.model,
+            m.prefetch_version,
+        )
+        return None
+    found = versions.get((m.model, m.prefetch_version))
+    if found is None:
+        log.warning(
+            "device %s: %s %s is no longer published; not prefetched",
+            device_id,
+            m.model,
+            m.prefetch_version,
+        )
+        return None
+    return _ref(found)
 
 
 def misfits(

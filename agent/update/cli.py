@@ -39,10 +39,15 @@ def updates_command(state_dir: Path | None, as_json: bool) -> None:
         canary = index["canary"]["version"] if index["canary"] else "-"
         click.echo(f"{name}: active {index['active'] or '-'}  previous {index['previous'] or '-'}"
                    f"  canary {canary}  shadow {index['shadow'] or '-'}"
+                   f"  prefetched {index.get('prefetch') or '-'}"
                    f"  installed {', '.join(m['installed']) or '-'}")  # fmt: skip
-        if record is not None:
-            line = (f"  last deployment: {record['to_version']} as {record['role']} "
-                    f"(seq {record['desired_seq']}): {record['phase']}")  # fmt: skip
-            if record["cause"]:
-                line += f" [{record['cause']}] {record['error'] or ''}"
+        for what, rec in (("deployment", record), ("prefetch", m["prefetch_record"])):
+            if rec is None:
+                continue
+            phase = "stored" if rec["role"] == "prefetch" and rec["phase"] == "idle" \
+                else rec["phase"]  # fmt: skip
+            line = (f"  last {what}: {rec['to_version']} as {rec['role']} "
+                    f"(seq {rec['desired_seq']}): {phase}")  # fmt: skip
+            if rec["cause"]:
+                line += f" [{rec['cause']}] {rec['error'] or ''}"
             click.echo(line)

@@ -6,14 +6,16 @@ writes it to disk, :mod:`agent.update.steps` runs one handler per phase and
 :mod:`agent.update.updater` drives deployments. Nothing here imports pydantic: an agent with no
 deployment to run never loads it for the update machinery.
 
-One deployment moves one model version into one role (stable, canary or shadow)::
+One deployment moves one model version into one role (stable, canary or shadow), or stores it
+for a later switch without running it (the role ``prefetch``)::
 
     idle ─start─▶ downloading ─downloaded─▶ verifying ─verified─▶ installing ─installed─▶
     loading ─loaded─▶ warming ─warmed─▶ active
 
+    installing ─stored─▶ idle                 (a prefetch: verified and installed, never loaded)
     downloading ─retry─▶ downloading          (transient: transport trouble, with backoff)
     any working phase ─fail─▶ rolling_back ─rolled_back─▶ failed
-    active | failed ─start─▶ downloading      (the next deployment of the same model)
+    idle | active | failed ─start─▶ downloading  (the next deployment of the same model)
 
 A fatal error (verification, signature, downgrade, profile, disk, load or warm-up failure)
 rolls back; a transient one (the repository cannot be reached) retries and stays in
@@ -45,6 +47,8 @@ class Trigger(str, enum.Enum):
     DOWNLOADED = "downloaded"
     VERIFIED = "verified"
     INSTALLED = "installed"
+    STORED = "stored"
+    """A prefetch is installed and kept: it ends here, never loaded."""
     LOADED = "loaded"
     WARMED = "warmed"
     FAIL = "fail"
@@ -64,6 +68,7 @@ TRANSITIONS: dict[tuple[Phase, Trigger], Phase] = {
     (Phase.DOWNLOADING, Trigger.DOWNLOADED): Phase.VERIFYING,
     (Phase.VERIFYING, Trigger.VERIFIED): Phase.INSTALLING,
     (Phase.INSTALLING, Trigger.INSTALLED): Phase.LOADING,
+    (Phase.INSTALLING, Trigger.STORED): Phase.IDLE,
     (Phase.LOADING, Trigger.LOADED): Phase.WARMING,
     (Phase.WARMING, Trigger.WARMED): Phase.ACTIVE,
     **{(p, Trigger.FAIL): Phase.ROLLING_BACK for p in WORKING},
@@ -190,8 +195,8 @@ def new_record(
     rollback: bool = False,
     canary: CanaryPolicy | None = None,
 ) -> UpdateRecord:
-    """A record in ``downloading``: a deployment that has just started (``canary``: the
-    policy of a canary deployment)."""
+    """A record in ``downloading``: a deployment that has just started (``role``: stable,
+    canary, shadow or prefetch; ``canary``: the policy of a canary deployment)."""
     from mcp_edge.agent.update.records import UpdateRecord  # pydantic: only once one is made
 
     idle = UpdateRecord(

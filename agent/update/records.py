@@ -1,6 +1,7 @@
 """The documents the update agent keeps on disk: deployment records, model indexes, install info.
 
     updates/{name}.json               :class:`UpdateRecord`, the state machine's record
+    updates/prefetch/{name}.json      :class:`UpdateRecord` of the model's latest prefetch
     models/{name}/index.json          :class:`ModelIndex` (with its :class:`CanaryRef`)
     models/{name}/{version}/install.json  :class:`InstallInfo`
 
@@ -14,7 +15,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from mcp_edge.agent.update.machine import TERMINAL, WORKING, Cause, Phase
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
@@ -34,7 +42,8 @@ class UpdateRecord(BaseModel):
     MAX_BYTES: ClassVar[int] = 64 * 1024
 
     model: str = Field(min_length=1, max_length=128)
-    role: str = Field(pattern=r"^(stable|canary|shadow)$")
+    role: str = Field(pattern=r"^(stable|canary|shadow|prefetch)$")
+    """The role the version takes; ``prefetch``: installed and kept, never loaded."""
     from_version: str | None = None
     to_version: str = Field(min_length=1, max_length=128)
     target_path: str = Field(min_length=1, max_length=512)
@@ -136,10 +145,13 @@ class CanaryRef(_Stored):
 
 
 class ModelIndex(_Stored):
-    """What is committed for one model: the versions serving and the release counter.
+    """What is committed for one model: the versions serving, the version prefetched and the
+    release counter.
 
     ``release_counter`` is the highest ``version_numeric`` ever activated as stable; a version
-    below it needs an explicit rollback (DESIGN 4.4).
+    below it needs an explicit rollback (DESIGN 4.4). ``prefetch`` is the installed version the
+    desired state asks to keep for a later switch; it is left out of the file while None, so an
+    agent that predates it still reads the index.
     """
 
     name: str
@@ -148,14 +160,23 @@ class ModelIndex(_Stored):
     canary: CanaryRef | None = None
     shadow: str | None = None
     release_counter: int = Field(default=0, ge=0)
+    prefetch: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("prefetch") is None:
+            data.pop("prefetch", None)
+        return data
 
     def referenced(self) -> set[str]:
-        """Versions that must stay on disk."""
+        """Versions that must stay on disk (garbage collection keeps them)."""
         refs = {
             self.active,
             self.previous,
             self.shadow,
             self.canary.version if self.canary else None,
+            self.prefetch,
         }
         return {v for v in refs if v is not None}
 

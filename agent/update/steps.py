@@ -11,13 +11,17 @@ so a record a crash left in a phase can run that phase again:
 - ``verifying``: the staged bytes against TUF's signed length and hashes; the bundle's
   publisher signature against the publisher keys the signed targets metadata lists; the
   manifest's name and version; a variant this profile runs. Unpacks into ``staging/``.
-- ``installing``: one rename into ``models/{name}/{version}/``.
+- ``installing``: one rename into ``models/{name}/{version}/``. A prefetch ends here: the
+  index records the version as ``prefetch`` (so garbage collection keeps it) and the record
+  rests in ``idle``; nothing is loaded, and a later deployment of the version in a role finds it
+  installed and downloads nothing.
 - ``loading``: the runtime loads the model, warms it and checks its outputs beside the running
   version, then swaps it in (:meth:`agent.runtime.manager.ModelManager.load`).
 - ``warming``: a probe request through the serving path of the new version; then commit: the
   index records the new active/canary/shadow, the release counter and the previous version.
 - ``rolling_back``: discard staged files, put the previous version back in service when the new
-  one had been swapped in, remove an installed but uncommitted version.
+  one had been swapped in, remove an installed but uncommitted version (a prefetch that failed
+  never loaded anything, so it only discards and removes what it brought).
 
 The TUF stack (python-tuf, securesystemslib, cryptography, urllib3: about 10 MiB of RSS) is
 imported by the ``downloading`` and ``verifying`` handlers, not with this module: an agent loads
@@ -158,7 +162,10 @@ class DeploymentRunner:
             bytes_done = record.length if done is Phase.DOWNLOADING else None
             got = record.length if done is Phase.DOWNLOADING else record.bytes_done
             record = advance(record, trigger, now=self.clock(), bytes_done=got)
-            self.emit(record, done, EventOutcome.OK, _DONE.get(done, done.value), elapsed_ms=elapsed,
+            message = _DONE.get(done, done.value)
+            if record.role == "prefetch" and done is Phase.INSTALLING:
+                message = _PREFETCHED
+            self.emit(record, done, EventOutcome.OK, message, elapsed_ms=elapsed,
                       bytes_done=bytes_done)  # fmt: skip
             if record.phase is Phase.ACTIVE:
                 total_ms = sum(record.timings_ms.values())
@@ -321,9 +328,19 @@ class DeploymentRunner:
                     raise UpdateError(Cause.INTERRUPTED, "the verified files are gone")
                 self.store.install(unpack, record.model, record.to_version)
             self.store.staged_bundle(record.sha256).unlink(missing_ok=True)
+            if record.role == "prefetch":
+                self._keep_prefetched(record)
 
         await _in_thread(work)
-        return Trigger.INSTALLED
+        return Trigger.STORED if record.role == "prefetch" else Trigger.INSTALLED
+
+    def _keep_prefetched(self, record: UpdateRecord) -> None:
+        """Commit a prefetch: the index names it, so garbage collection keeps it; the version
+        it replaces as the prefetch is collected unless a role still holds it."""
+        index = self.store.index(record.model)
+        index = index.model_copy(update={"prefetch": record.to_version})
+        self.store.save_index(index)
+        self.store.gc(record.model, index.referenced())
 
     # ------------------------------------------------------------------ loading / warming
     async def _load(self, record: UpdateRecord) -> Trigger:
@@ -379,6 +396,8 @@ class DeploymentRunner:
             index = index.model_copy(update={"canary": ref})
         else:
             index = index.model_copy(update={"shadow": version})
+        if index.prefetch == version:  # the switch a prefetch was for: it has a role now
+            index = index.model_copy(update={"prefetch": None})
         self.store.save_index(index)
         self.store.gc(record.model, index.referenced())
 
@@ -389,7 +408,9 @@ class DeploymentRunner:
         name, version = record.model, record.to_version
         roles = loaded_roles(self.manager, name)
         committed = version in index.referenced()
-        if version in roles and not committed:
+        if record.role == "prefetch":
+            committed = committed or version in roles  # a prefetch never touches what serves
+        elif version in roles and not committed:
             restore = index.active if record.role == "stable" else None
             if restore is not None and restore != version and roles[version] == "stable":
                 info = self.store.installed(name, restore)
@@ -415,6 +436,7 @@ _DONE = {
     Phase.WARMING: "probe request answered; committed",
     Phase.ROLLING_BACK: "rolled back",
 }
+_PREFETCHED = "prefetched: verified and installed for a later switch; not loaded"
 
 
 async def _in_thread(fn: Callable[..., None], *args: object) -> None:

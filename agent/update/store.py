@@ -6,8 +6,10 @@ Layout under the state directory::
     staging/{name}-{version}.unpack/  a bundle being unpacked and verified
     models/{name}/{version}/          an installed version: manifest.json, manifest.sig, the
                                       model files, install.json (what was verified, when)
-    models/{name}/index.json          active, previous, canary, shadow, release counter
+    models/{name}/index.json          active, previous, canary, shadow, prefetch, release counter
     updates/{name}.json               the deployment record of the state machine
+    updates/prefetch/{name}.json      the record of the model's latest prefetch (apart, so a
+                                      prefetch never hides how the model's deployment went)
     event-seq.json                    the next deployment event sequence number
     desired-state.json                the last accepted desired state (written by the updater)
 
@@ -74,6 +76,7 @@ class ModelStore:
         self.staging_dir = self.state_dir / "staging"
         self.models_dir = self.state_dir / "models"
         self.updates_dir = self.state_dir / "updates"
+        self.prefetch_dir = self.updates_dir / "prefetch"
         self._disk_usage = disk_usage
         self.reserve_bytes = reserve_bytes
 
@@ -219,11 +222,15 @@ class ModelStore:
         return sorted(p.name for p in self.models_dir.iterdir() if (p / INDEX).is_file())
 
     # ------------------------------------------------------------------ records
-    def record_path(self, name: str) -> Path:
-        return self.updates_dir / f"{_safe(name)}.json"
+    def record_path(self, name: str, *, prefetch: bool = False) -> Path:
+        """Where the record of ``name``'s deployment (or, with ``prefetch``, of its prefetch)
+        is kept."""
+        return (self.prefetch_dir if prefetch else self.updates_dir) / f"{_safe(name)}.json"
 
-    def record(self, name: str) -> UpdateRecord | None:
-        path = self.record_path(name)
+    def record(self, name: str, *, prefetch: bool = False) -> UpdateRecord | None:
+        """The stored record of ``name``'s deployment or prefetch; None when there is none or
+        it is unreadable (then set aside as ``.bad``)."""
+        path = self.record_path(name, prefetch=prefetch)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
@@ -239,15 +246,18 @@ class ModelStore:
             return None
 
     def save_record(self, record: UpdateRecord) -> None:
-        self.updates_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(self.record_path(record.model), record.to_bytes())
+        path = self.record_path(record.model, prefetch=record.role == "prefetch")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, record.to_bytes())
 
-    def records(self) -> list[UpdateRecord]:
-        if not self.updates_dir.is_dir():
+    def records(self, *, prefetch: bool = False) -> list[UpdateRecord]:
+        """Every stored deployment record (with ``prefetch``: every prefetch record)."""
+        directory = self.prefetch_dir if prefetch else self.updates_dir
+        if not directory.is_dir():
             return []
         found = []
-        for p in sorted(self.updates_dir.glob("*.json")):
-            rec = self.record(p.stem)
+        for p in sorted(directory.glob("*.json")):
+            rec = self.record(p.stem, prefetch=prefetch)
             if rec is not None:
                 found.append(rec)
         return found

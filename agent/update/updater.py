@@ -2,7 +2,11 @@
 
 :class:`UpdateAgent` is the fleet session's desired-state handler. For each accepted desired
 state it converges every model's stable, canary and shadow version through the persisted state
-machine (:mod:`agent.update.machine`, handlers in :mod:`agent.update.steps`), publishes a
+machine (:mod:`agent.update.machine`, handlers in :mod:`agent.update.steps`), then its
+``prefetch``: that version is downloaded and verified as for an install, installed and kept in
+the store, never loaded, and reported among the installed versions (a later desired state that
+makes it stable or canary finds it installed, so that switch downloads nothing). Each step
+publishes a
 :class:`~shared.protocol.reports.EventReport` (the wire's ``DeploymentEvent``) for every step
 (the flight recorder: ``event_seq`` persisted and increasing across restarts) and the
 :class:`~shared.protocol.reports.StateReport` (``ReportedState``) after each change.
@@ -280,6 +284,7 @@ class UpdateAgent:
         await self._report()
 
     async def _converge_model(self, model: DesiredModel, seq: int) -> None:
+        self._keep_installed_prefetch(model)
         await self._deploy(model.name, "stable", model.stable, seq, rollback=model.rollback)
         index = self.store.index(model.name)
         if model.canary is not None:
@@ -296,6 +301,62 @@ class UpdateAgent:
             await self._deploy(model.name, "shadow", model.shadow, seq, rollback=model.rollback)
         elif index.shadow is not None:
             await self._drop_role(model.name, index.shadow, "shadow")
+        await self._prefetch(model, seq)
+
+    def _prefetched(self, name: str, target: TargetRef) -> bool:
+        """True when ``target`` is installed (whole, same sha256) and the index keeps it as the
+        prefetch."""
+        info = self.store.installed(name, target.version)
+        prefetch = self.store.index(name).prefetch
+        return prefetch == target.version and info is not None and info.sha256 == target.sha256
+
+    def _keep_installed_prefetch(self, model: DesiredModel) -> None:
+        """A desired prefetch that is installed already (a version leaving its role, or the one
+        before it) is named in the index before the roles change, so no collection removes it
+        and it needs no download."""
+        want = model.prefetch
+        if want is None:
+            return
+        info = self.store.installed(model.name, want.version)
+        index = self.store.index(model.name)
+        if info is not None and info.sha256 == want.sha256 and index.prefetch != want.version:
+            self.store.save_index(index.model_copy(update={"prefetch": want.version}))
+
+    async def _prefetch(self, model: DesiredModel, seq: int) -> None:
+        """Keep ``model.prefetch`` installed and unloaded, or let go of a prefetch the desired
+        state no longer names. A failed prefetch is a failed record of its own and events; what
+        serves is not touched."""
+        want = model.prefetch
+        if want is None:
+            if self.store.index(model.name).prefetch is not None:
+                await self._let_go_prefetch(model.name)
+            return
+        if self._prefetched(model.name, want):
+            log.debug("%s %s already prefetched: nothing to do", model.name, want.version)
+            return
+        active = self.store.index(model.name).active
+        record = new_record(
+            model=model.name, role="prefetch", from_version=active, to_version=want.version,
+            target_path=want.target_path, sha256=want.sha256, length=want.length,
+            desired_seq=seq, now=self.clock(), rollback=model.rollback,
+        )  # fmt: skip
+        log.info("prefetching %s %s beside %s (not run)", model.name, want.version,
+                 active or "nothing")  # fmt: skip
+        self.recorder.record(record, Phase.IDLE, EventOutcome.PROGRESS,
+                             f"prefetch started beside {active or 'nothing'}: download and "
+                             "verify, not run")  # fmt: skip
+        result = await self.runner.run(record)
+        if result.phase is not Phase.IDLE and self.store.index(model.name).prefetch is not None:
+            await self._let_go_prefetch(model.name)  # the one it replaces is not wanted either
+        await self.recorder.flush()
+        await self._report()
+
+    async def _let_go_prefetch(self, name: str) -> None:
+        index = self.store.index(name)
+        log.info("%s %s is no longer wanted as prefetch", name, index.prefetch)
+        index = index.model_copy(update={"prefetch": None})
+        self.store.save_index(index)
+        await asyncio.to_thread(self.store.gc, name, index.referenced())
 
     def _current(self, name: str, role: str) -> str | None:
         index = self.store.index(name)
@@ -354,7 +415,7 @@ class UpdateAgent:
 
     async def _retire_model(self, name: str) -> None:
         index = self.store.index(name)
-        if index.active is None and index.canary is None and index.shadow is None:
+        if (index.active, index.canary, index.shadow, index.prefetch) == (None,) * 4:
             return
         from mcp_edge.agent.update.steps import loaded_roles
 
@@ -363,7 +424,8 @@ class UpdateAgent:
             await self.manager.unload(name)
         previous = index.active or index.previous
         self.store.save_index(index.model_copy(update={"active": None, "previous": previous,
-                                                       "canary": None, "shadow": None}))  # fmt: skip
+                                                       "canary": None, "shadow": None,
+                                                       "prefetch": None}))  # fmt: skip
 
     # ------------------------------------------------------------------ start-up
     async def resume(self) -> None:
@@ -373,7 +435,7 @@ class UpdateAgent:
             await asyncio.to_thread(self.store.ensure_dirs)
             for name in self.store.indexed_models():
                 await self._load_committed(name)
-            for record in self.store.records():
+            for record in [*self.store.records(), *self.store.records(prefetch=True)]:
                 if record.interrupted:
                     await self._recover(record)
             await asyncio.to_thread(self.store.clean_staging)
@@ -478,10 +540,12 @@ def updates_status(store: ModelStore) -> dict[str, Any]:
     names = sorted(set(store.indexed_models()) | {r.model for r in store.records()})
     for name in names:
         record = store.record(name)
+        prefetch = store.record(name, prefetch=True)
         out["models"][name] = {
             "index": store.index(name).model_dump(mode="json"),
             "installed": store.installed_versions(name),
             "record": record.model_dump(mode="json") if record else None,
+            "prefetch_record": prefetch.model_dump(mode="json") if prefetch else None,
         }
     return out
 

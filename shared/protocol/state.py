@@ -110,7 +110,14 @@ class BatchingPolicy(Message):
 
 
 class DesiredModel(Message):
-    """What one model should look like on the device."""
+    """What one model should look like on the device.
+
+    ``prefetch`` names a version the device downloads, verifies as it would for an install and
+    keeps installed without loading it (a staged rollout's prefetch stage: a later desired state
+    makes it stable or canary and the switch needs no download). It differs from every version
+    the model runs, and it is left out of the encoded document while None, so an agent that
+    predates it still accepts documents without one.
+    """
 
     name: Identifier
     stable: TargetRef
@@ -119,12 +126,28 @@ class DesiredModel(Message):
     rollback: bool = False
     """True when ``stable`` is deliberately older than what is installed (explicit rollback)."""
     batching: BatchingPolicy = Field(default_factory=BatchingPolicy)
+    prefetch: TargetRef | None = None
+    """Downloaded and verified ahead, not run: a version neither stable, canary nor shadow."""
 
     @model_validator(mode="after")
     def _one_candidate(self) -> DesiredModel:
         if self.canary is not None and self.shadow is not None:
             raise ValueError("a model takes a canary or a shadow, not both")
+        if self.prefetch is not None:
+            running = {self.stable.version, self.shadow.version if self.shadow else None,
+                       self.canary.target.version if self.canary else None}  # fmt: skip
+            if self.prefetch.version in running:
+                raise ValueError(
+                    f"prefetch {self.prefetch.version} is a version the model already runs"
+                )
         return self
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("prefetch") is None:
+            data.pop("prefetch", None)
+        return data
 
 
 class TelemetryPolicy(Message):
