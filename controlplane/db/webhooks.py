@@ -201,7 +201,7 @@ async def pending_by_webhook(tx: Tx) -> dict[str, int]:
         .where(_pending())
         .group_by(WebhookDeliveryRow.webhook)
     )
-    return {name: int(count) for name, count in rows.tuples()}
+    return {name: int(count) for name, count in rows}
 
 
 async def next_due(tx: Tx, *, webhooks: Collection[str]) -> datetime | None:
