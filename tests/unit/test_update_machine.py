@@ -1,6 +1,8 @@
-"""The update state machine's table and its persisted record (pure; no I/O)."""
+"""The update state machine's table and its persisted record and index (pure; no I/O)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from hypothesis import given
@@ -18,7 +20,7 @@ from mcp_edge.agent.update.machine import (
     new_record,
     next_phase,
 )
-from mcp_edge.agent.update.records import UpdateRecord
+from mcp_edge.agent.update.records import ModelIndex, UpdateRecord
 
 SHA = "ab" * 32
 
@@ -92,3 +94,48 @@ def test_a_damaged_record_is_refused() -> None:
         UpdateRecord.from_bytes(b'{"model": "digits"}')
     with pytest.raises(ValueError):
         UpdateRecord.from_bytes(b" " * (UpdateRecord.MAX_BYTES + 1))
+
+
+def prefetch_record(now: float = 100.0) -> UpdateRecord:
+    return new_record(model="digits", role="prefetch", from_version="1.0.0",
+                      to_version="1.1.0", target_path="digits/1.1.0/digits-1.1.0.mcpb",
+                      sha256=SHA, length=2048, desired_seq=4, now=now)  # fmt: skip
+
+
+def test_a_prefetch_is_verified_and_installed_then_rests_without_loading() -> None:
+    rec = prefetch_record()
+    seen = [rec.phase]
+    for i, trig in enumerate([Trigger.DOWNLOADED, Trigger.VERIFIED, Trigger.STORED]):
+        rec = advance(rec, trig, now=101.0 + i)
+        seen.append(rec.phase)
+    assert seen == [Phase.DOWNLOADING, Phase.VERIFYING, Phase.INSTALLING, Phase.IDLE]
+    assert rec.terminal and not rec.interrupted
+    assert set(rec.timings_ms) == {"downloading", "verifying", "installing"}
+    assert UpdateRecord.from_bytes(rec.to_bytes()) == rec
+    # Only installing stores: a prefetch cannot skip verification, nor be stored once loading.
+    for phase in set(Phase) - {Phase.INSTALLING}:
+        with pytest.raises(TransitionError):
+            next_phase(phase, Trigger.STORED)
+    # A failed prefetch rolls back like any deployment, and the next one starts afresh.
+    failed = advance(advance(prefetch_record(), Trigger.FAIL, now=101.0, cause=Cause.TRANSPORT,
+                             error="gone"), Trigger.ROLLED_BACK, now=102.0)  # fmt: skip
+    assert (failed.phase, failed.failed_phase, failed.cause) == (
+        Phase.FAILED, Phase.DOWNLOADING, Cause.TRANSPORT)  # fmt: skip
+    assert advance(rec, Trigger.START, now=103.0).phase is Phase.DOWNLOADING
+
+
+def test_roles_are_stable_canary_shadow_or_prefetch() -> None:
+    doc = json.loads(prefetch_record().to_bytes())
+    assert UpdateRecord.from_bytes(json.dumps(doc).encode()).role == "prefetch"
+    with pytest.raises(ValueError):
+        UpdateRecord.from_bytes(json.dumps({**doc, "role": "preload"}).encode())
+
+
+def test_the_index_keeps_its_prefetch_on_disk_and_in_a_file_older_agents_read() -> None:
+    index = ModelIndex(name="digits", active="1.0.0", previous="0.9.0", prefetch="1.1.0")
+    assert index.referenced() == {"1.0.0", "0.9.0", "1.1.0"}
+    assert ModelIndex.model_validate_json(index.to_bytes()) == index
+    # Without a prefetch the file holds exactly the fields of an agent that predates it (its
+    # index refuses unknown fields).
+    plain = json.loads(ModelIndex(name="digits", active="1.0.0").to_bytes())
+    assert set(plain) == {"name", "active", "previous", "canary", "shadow", "release_counter"}
