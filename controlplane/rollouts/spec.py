@@ -503,7 +503,7 @@ def _stored_int(value: object, where: str) -> int:
 def _stored_enum(value: object, where: str, enum_type: type[Any]) -> Any:
     try:
         return enum_type(value)
-    except ValueError:
+    except (ValueError, TypeError):
         raise SpecError(f"stored rollout {where}: {value!r:.40} is unknown") from None
 
 
