@@ -13,6 +13,7 @@ from mcp_edge.controlplane.cli.apps import COMMANDS as APPS
 from mcp_edge.controlplane.cli.deploy import COMMANDS as DEPLOYMENTS
 from mcp_edge.controlplane.cli.fleet import COMMANDS as FLEET
 from mcp_edge.controlplane.cli.repo import COMMANDS as REPOSITORY
+from mcp_edge.controlplane.cli.rollouts import COMMANDS as ROLLOUTS
 from mcp_edge.controlplane.cli.server import COMMANDS as SERVER
 
 
@@ -30,5 +31,5 @@ def main(verbose: bool) -> None:
         logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-for _command in (*SERVER, *FLEET, *REPOSITORY, *DEPLOYMENTS, *APPS):
+for _command in (*SERVER, *FLEET, *REPOSITORY, *DEPLOYMENTS, *ROLLOUTS, *APPS):
     main.add_command(_command)
