@@ -35,13 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from mcp_edge.agent.fleet.metrics import FleetMetrics
-from mcp_edge.agent.fleet.telemetry import InferenceStatsCollector, Outcome
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager
 from mcp_edge.agent.runtime.runner import Array
 from mcp_edge.agent.serving.requests import (
     MQTT_PROPERTIES,
     RequestError,
     classify,
+    count_unrun,
     parse_options,
 )
 from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
@@ -107,7 +107,6 @@ class MqttInference:
         mqtt: MqttClient,
         *,
         metrics: FleetMetrics,
-        stats: InferenceStatsCollector | None = None,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
         max_pending: int = 256,
@@ -125,7 +124,6 @@ class MqttInference:
         self.device_id = topics.validate_id(device_id, "device id")
         self.mqtt = mqtt
         self.metrics = metrics
-        self.stats = stats
         self.max_request_bytes = max_request_bytes
         self.max_reply_bytes = max_reply_bytes
         self.max_pending = max_pending
@@ -197,23 +195,31 @@ class MqttInference:
             log.info("could not send the inference reply to %s: %s", msg.response_topic, e)
 
     async def answer(self, model: str, msg: InboundMessage) -> tuple[bytes, ErrorCode | None]:
-        """The reply body for a request and its error code (None on success)."""
+        """The reply body for a request and its error code (None on success).
+
+        The request goes to the manager's statistics as HTTP requests do
+        (:mod:`agent.serving.requests`): its runs counted by the manager, a failure between
+        routing and running counted here.
+        """
         m = self.manager.metrics
         t0 = time.perf_counter()
         m.active.inc()
         lv: LoadedVersion | None = None
+        ran = False
         try:
             m.payload_bytes.labels("mqtt").observe(len(msg.payload))
             obj = self._parse(msg)
             opts = parse_options(msg.user_property, MQTT_PROPERTIES)
             lv = self.manager.route(model, opts.version, opts.request_key)
             rid, feeds, wanted = self._feeds(msg, obj, lv)
+            ran = True
             answered, outputs = await self.manager.infer(
                 lv,
                 feeds,
                 pinned=opts.version is not None,
                 priority=opts.priority,
                 timeout_s=opts.timeout_s,
+                counted=True,
             )
             names = output_names(outputs, wanted, answered.output_names)
             body = encode_response(answered.name, answered.version, rid, outputs, names)
@@ -222,21 +228,17 @@ class MqttInference:
             err = classify(e)
             if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
                 m.rejections.labels(model, err.code.value).inc()
-                outcome = Outcome.REJECTED
             else:
                 m.errors.labels(model, err.code.value).inc()
-                outcome = Outcome.ERROR
             m.requests.labels(model, "mqtt", str(err.code.http_status)).inc()
-            if self.stats is not None and lv is not None:
-                self.stats.record(lv.name, lv.version, time.perf_counter() - t0, outcome)
+            if not ran:
+                count_unrun(self.manager, lv, err, time.perf_counter() - t0)
             return error_body(err), err.code
         finally:
             m.active.dec()
         elapsed = time.perf_counter() - t0
         m.requests.labels(model, "mqtt", "200").inc()
         m.latency.labels(answered.name, answered.version).observe(elapsed)
-        if self.stats is not None:
-            self.stats.record(answered.name, answered.version, elapsed, Outcome.OK)
         return body, None
 
     def _check_reply_size(self, model: str, size: int) -> None:

@@ -10,7 +10,10 @@ What it does (DESIGN 4.2, 4.6, 4.7):
 - Reconnects through :class:`mcp_edge.shared.mqtt.Session` with ``FleetConfig.reconnect``
   (exponential backoff, full jitter; reset once a connection has stayed up ``stable_after_s``).
 - Sends a health sample every ``health_interval_s`` and inference statistics every
-  ``inference_interval_s``. Everything that goes upstream (telemetry, deployment events, the
+  ``inference_interval_s`` (:attr:`FleetSession.inference_interval_s`: the configured value
+  until a desired state the handler accepts sets it from its ``telemetry`` policy; the collector
+  it hands the model manager counts HTTP and MQTT requests alike, per version and role; a
+  window without requests sends nothing). Everything that goes upstream (telemetry, deployment events, the
   reported state) is written to the on-disk :class:`agent.fleet.spool.Spool` first and published
   from there in order, deleted only once the broker acknowledged it; while offline the spool
   fills (dropping the oldest health samples first when full, never events) and drains after
@@ -178,6 +181,12 @@ class FleetSession:
         self.manager = manager
         self.health = health or HealthCollector()
         self.stats = stats or InferenceStatsCollector()
+        if manager is not None and manager.stats is None:
+            manager.stats = self.stats  # every transport's requests, not only MQTT's
+        self.inference_interval_s = config.inference_interval_s
+        """Seconds between inference statistics: the desired state's policy once one is
+        accepted (:meth:`apply_telemetry_policy`)."""
+        self._interval_changed = asyncio.Event()
         self.metrics = metrics or FleetMetrics()
         self.mqtt = mqtt or MqttClient(config.mqtt_settings())
         self.link = Session(
@@ -192,7 +201,8 @@ class FleetSession:
         if state_provider is not None:
             builtin[CommandName.REPORT_STATE] = self._report_state
         self.control = ControlChannel(
-            self.device_id, self.mqtt, self.metrics, desired_handler=desired_handler,
+            self.device_id, self.mqtt, self.metrics,
+            desired_handler=None if desired_handler is None else self._accepting(desired_handler),
             command_handlers={**builtin, **(command_handlers or {})},
             max_desired_bytes=config.max_desired_bytes,
             max_command_bytes=config.max_command_bytes, clock=clock,
@@ -203,7 +213,6 @@ class FleetSession:
                 self.device_id,
                 self.mqtt,
                 metrics=self.metrics,
-                stats=self.stats,
                 max_request_bytes=config.max_infer_bytes,
                 max_reply_bytes=config.max_reply_bytes,
             )
@@ -281,6 +290,8 @@ class FleetSession:
                 )
         await _cancel(self._tasks)
         await _cancel(list(self._handlers))
+        if self.manager is not None and self.manager.stats is self.stats:
+            self.manager.stats = None
         self.online.clear()
         self.metrics.connected.set(0)
         await self.link.close()
@@ -417,9 +428,49 @@ class FleetSession:
                 log.exception("health sample failed")
             await asyncio.sleep(self.config.health_interval_s)
 
+    def _accepting(self, handler: DesiredHandler) -> DesiredHandler:
+        """``handler``, then the telemetry policy of the desired state it accepted (returned
+        without raising: verified, and for this device)."""
+
+        async def handle(envelope: Any) -> None:
+            await handler(envelope)
+            self.apply_telemetry_policy(envelope)
+
+        return handle
+
+    def apply_telemetry_policy(self, envelope: Any) -> None:
+        """Send inference statistics every ``signed.telemetry.inference_interval_s`` of an
+        accepted desired-state envelope from now on (the window open now closes at the new
+        interval). A document without the field keeps the interval; one that is not a number
+        from 1 to 86 400 s (the schema's bounds) is logged and ignored."""
+        signed = envelope.get("signed") if isinstance(envelope, dict) else None
+        policy = signed.get("telemetry") if isinstance(signed, dict) else None
+        value = policy.get("inference_interval_s") if isinstance(policy, dict) else None
+        if value is None:
+            return
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not 1 <= value <= 86_400
+        ):
+            log.warning("desired state's inference_interval_s %r ignored", value)
+            return
+        if float(value) != self.inference_interval_s:
+            log.info("inference statistics every %g s (desired state)", value)
+            self.inference_interval_s = float(value)
+            self._interval_changed.set()
+
     async def _stats_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
-            await asyncio.sleep(self.config.inference_interval_s)
+            delay = last + self.inference_interval_s - loop.time()
+            if delay > 0:
+                self._interval_changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._interval_changed.wait(), delay)
+                continue
+            last = loop.time()
             try:
                 snap = self.stats.snapshot(self.device_id, now=self._clock(), manager=self.manager)
                 if snap.models:

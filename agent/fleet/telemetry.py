@@ -6,13 +6,16 @@
 - :func:`parse_tegrastats_line` (from :mod:`agent.fleet.tegrastats`) turns one line of
   ``tegrastats`` output into a :class:`TegrastatsReading`.
 - :class:`InferenceStatsCollector` counts requests, errors and rejections per model version and
-  keeps their latencies over a reporting window: exact p50/p95/p99 from a bounded reservoir and
-  a fixed-edge histogram the control plane can sum across devices.
+  role (stable, canary, shadow) and keeps their latencies over a reporting window: exact
+  p50/p95/p99 from a bounded reservoir and a fixed-edge histogram (:data:`LATENCY_EDGES_MS`) the
+  control plane can sum across devices, plus how many of a shadow's answers agreed with
+  stable's. The model manager feeds it for HTTP and MQTT requests alike.
 """
 
 from __future__ import annotations
 
-import enum
+import bisect
+import itertools
 import logging
 import math
 import os
@@ -33,9 +36,11 @@ from mcp_edge.agent.fleet.tegrastats import (
     TegrastatsReading,
     parse_tegrastats_line,
 )
+from mcp_edge.agent.runtime.manager import Outcome
 from mcp_edge.shared.protocol.reports import (
     HealthReport,
     InferenceReport,
+    InferenceRole,
     LatencyReport,
     ModelInferenceReport,
 )
@@ -178,28 +183,12 @@ def _put_temp(temps: dict[str, float], name: str, value: Any) -> None:
 
 # ------------------------------------------------------------------------------- inference stats
 LATENCY_EDGES_MS: tuple[float, ...] = (
-    0.25,
-    0.5,
-    1.0,
-    2.0,
-    5.0,
-    10.0,
-    25.0,
-    50.0,
-    100.0,
-    250.0,
-    500.0,
-    1000.0,
-    2500.0,
-    5000.0,
-)
-
-
-class Outcome(str, enum.Enum):
-    OK = "ok"
-    ERROR = "error"
-    REJECTED = "rejected"
-    """Refused before running: overload or deadline."""
+    0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 25.0, 35.0, 50.0, 75.0, 100.0, 150.0,
+    250.0, 350.0, 500.0, 750.0, 1000.0, 1500.0, 2500.0, 5000.0, 10000.0,
+)  # fmt: skip
+"""The fixed upper edges (ms) of the latency histogram every agent reports, 0.25 ms to 10 s,
+about three per decade (finer from 1 ms to 1 s, where models answer): histograms with the
+same edges add up across devices and windows, which is how the control plane compares p95s."""
 
 
 @dataclass
@@ -210,14 +199,22 @@ class _Window:
     seen_ok: int = 0
     reservoir: list[float] = field(default_factory=list)
     buckets: list[int] = field(default_factory=list)
+    shadow_compared: int = 0
+    shadow_agreed: int = 0
 
 
 class InferenceStatsCollector:
-    """Per model version: count, errors, rejections and latency over the current window.
+    """Per model version and role: count, errors, rejections and latency over the window.
 
-    :meth:`record` is the hook every inference path calls (MQTT here; the HTTP API can call it
-    too). :meth:`snapshot` closes the window and starts the next. Latency percentiles are exact
-    over up to ``max_samples`` successful requests per version (a uniform reservoir beyond).
+    It is the model manager's :class:`~agent.runtime.manager.InferenceObserver`: the fleet
+    session hands it to the manager, which calls :meth:`record` for every run of a request that
+    came over HTTP or MQTT (the answer, a canary failure handed to stable, a shadow's copy with
+    whether it agreed). :meth:`snapshot` closes the window and starts the next.
+
+    Latencies (seconds in, milliseconds out) are those of the successful requests: exact
+    p50/p95/p99 over up to ``max_samples`` of them per version and role (a uniform reservoir
+    beyond), and a histogram on ``edges_ms`` whose counts add up to ``count - errors -
+    rejections``, as the wire schema checks.
     """
 
     def __init__(
@@ -228,18 +225,36 @@ class InferenceStatsCollector:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
+        """Raises ValueError when ``edges_ms`` is not 1..256 finite, increasing values ≥ 0."""
+        increasing = all(a < b for a, b in itertools.pairwise(edges_ms))
+        if not (0 < len(edges_ms) <= 256 and increasing and edges_ms[0] >= 0) or not all(
+            math.isfinite(e) for e in edges_ms
+        ):
+            raise ValueError("edges_ms must be 1 to 256 finite, strictly increasing values >= 0")
         self.max_samples = max_samples
         self.edges_ms = edges_ms
         self.clock = clock
         self.rng = rng or random.Random()
-        self._windows: dict[tuple[str, str], _Window] = {}
+        self._windows: dict[tuple[str, str, InferenceRole], _Window] = {}
         self._started = clock()
         self._batch_marks: dict[str, tuple[float, float, float, float]] = {}
 
-    def record(self, model: str, version: str, latency_s: float, outcome: Outcome) -> None:
-        w = self._windows.get((model, version))
+    def record(
+        self,
+        model: str,
+        version: str,
+        latency_s: float,
+        outcome: Outcome,
+        *,
+        role: InferenceRole = InferenceRole.STABLE,
+        agreed: bool | None = None,
+    ) -> None:
+        """Count one run of ``version`` in ``role`` that took ``latency_s`` seconds; ``agreed``
+        (a shadow's answer): whether it agreed with stable's, None when not compared."""
+        key = (model, version, role)
+        w = self._windows.get(key)
         if w is None:
-            w = self._windows[(model, version)] = _Window(buckets=[0] * (len(self.edges_ms) + 1))
+            w = self._windows[key] = _Window(buckets=[0] * (len(self.edges_ms) + 1))
         w.count += 1
         if outcome is Outcome.ERROR:
             w.errors += 1
@@ -254,22 +269,25 @@ class InferenceStatsCollector:
                 j = self.rng.randrange(w.seen_ok)
                 if j < self.max_samples:
                     w.reservoir[j] = ms
-            w.buckets[_bucket(self.edges_ms, ms)] += 1
+            w.buckets[bisect.bisect_left(self.edges_ms, ms)] += 1
+        if agreed is not None:
+            w.shadow_compared += 1
+            w.shadow_agreed += agreed
 
     def snapshot(
         self, device_id: str, *, now: float | None = None, manager: Any = None
     ) -> InferenceReport:
         """Close the window: one :class:`ModelInferenceReport` (the wire's ``ModelInferenceStats``)
-        per version seen or loaded.
+        per model, version and role that had requests in it (at most 256; an idle window gives
+        none).
 
-        With ``manager`` (an :class:`agent.runtime.manager.ModelManager`), loaded versions
-        without traffic are listed too, with their queue depth, and the stable version carries
-        the model's batch size and fill ratio over the window.
+        With ``manager`` (an :class:`agent.runtime.manager.ModelManager`), each carries its
+        version's queue depth now, and the stable version's the model's batch size and fill ratio
+        over the window.
         """
         t = self.clock()
         window_s = max(t - self._started, 1e-3)
         windows, self._windows, self._started = self._windows, {}, t
-        keys = set(windows)
         queue_depth: dict[tuple[str, str], int] = {}
         stable: dict[str, str] = {}
         if manager is not None:
@@ -277,23 +295,24 @@ class InferenceStatsCollector:
                 slot = manager.slot(name)
                 stable[name] = slot.stable
                 for version, lv in slot.versions.items():
-                    keys.add((name, version))
                     queue_depth[(name, version)] = lv.batcher.queue_depth
         batch = self._batch_deltas(manager, stable) if manager is not None else {}
         models = []
-        for name, version in sorted(keys)[:256]:
-            w = windows.get((name, version)) or _Window(buckets=[0] * (len(self.edges_ms) + 1))
+        for key in sorted(windows, key=_order)[:256]:
+            name, version, role = key
+            w = windows[key]
             latency = None
             if w.reservoir:
                 p50, p95, p99 = np.percentile(np.asarray(w.reservoir), [50, 95, 99])
                 latency = LatencyReport(p50_ms=float(p50), p95_ms=float(p95), p99_ms=float(p99))
-            size_avg, fill = (
-                batch.get(name, (None, None)) if stable.get(name) == version else (None, None)
-            )
+            size_avg, fill = (None, None)
+            if role is InferenceRole.STABLE and stable.get(name) == version:
+                size_avg, fill = batch.get(name, (None, None))
             models.append(
                 ModelInferenceReport(
                     model=name,
                     version=_version_text(version),
+                    role=role,
                     count=w.count,
                     errors=w.errors,
                     rejections=w.rejections,
@@ -303,6 +322,8 @@ class InferenceStatsCollector:
                     queue_depth=queue_depth.get((name, version), 0),
                     batch_size_avg=size_avg,
                     batch_fill_ratio=fill,
+                    shadow_compared=w.shadow_compared,
+                    shadow_agreed=w.shadow_agreed,
                 )
             )
         return InferenceReport(
@@ -337,15 +358,11 @@ class InferenceStatsCollector:
         return out
 
 
-def _bucket(edges: tuple[float, ...], ms: float) -> int:
-    lo, hi = 0, len(edges)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if ms <= edges[mid]:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+_ROLE_ORDER = {InferenceRole.STABLE: 0, InferenceRole.CANARY: 1, InferenceRole.SHADOW: 2}
+
+
+def _order(key: tuple[str, str, InferenceRole]) -> tuple[str, str, int]:
+    return key[0], key[1], _ROLE_ORDER[key[2]]
 
 
 def _version_text(version: str) -> str:

@@ -13,17 +13,26 @@ to stable. Each canary serves under its :class:`~shared.protocol.canary.CanaryPo
 (:mod:`agent.runtime.canary`): one whose error rate over its last ``window`` results passes
 ``max_error_rate`` (once the window holds at least ``min_requests`` results) is taken out of
 rotation, and a failed canary request is answered by stable instead.
+
+Statistics: the runs of a client's request (``infer(..., counted=True)``, as the HTTP and MQTT
+transports ask) go to :attr:`ModelManager.stats`, an :class:`InferenceObserver` (the fleet
+session's statistics collector), under the role the version has (:class:`InferenceRole`):
+the version that answered; a canary failure handed to stable as a canary error and then a
+stable request; each shadow copy as a shadow request, with whether its answer agreed with
+stable's (:func:`agent.runtime.canary.answers_agree`). The shadow runs and is compared in a
+task of its own, after stable's answer has gone back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from mcp_edge.agent.runtime.batcher import (
     BatcherClosedError,
@@ -31,10 +40,11 @@ from mcp_edge.agent.runtime.batcher import (
     BatchObserver,
     DeadlineExceededError,
     DynamicBatcher,
+    OverloadedError,
     Priority,
 )
-from mcp_edge.agent.runtime.canary import CanaryState
-from mcp_edge.agent.runtime.checks import outputs_agree, warm_up
+from mcp_edge.agent.runtime.canary import CanaryState, answers_agree
+from mcp_edge.agent.runtime.checks import warm_up
 from mcp_edge.agent.runtime.runner import (
     Array,
     InferenceError,
@@ -46,8 +56,44 @@ from mcp_edge.agent.runtime.runner import (
 )
 from mcp_edge.agent.serving.metrics import AgentMetrics
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
+from mcp_edge.shared.protocol.reports import InferenceRole
 
 log = logging.getLogger("mcp.agent.runtime")
+
+
+class Outcome(str, enum.Enum):
+    """How one run of a request on a version ended, as its statistics count it."""
+
+    OK = "ok"
+    ERROR = "error"
+    REJECTED = "rejected"
+    """Refused or cut short: overload or deadline."""
+
+
+def outcome_of(e: BaseException) -> Outcome:
+    """The outcome of a run that raised ``e``: overload and deadline are rejections."""
+    if isinstance(e, (OverloadedError, DeadlineExceededError)):
+        return Outcome.REJECTED
+    return Outcome.ERROR
+
+
+class InferenceObserver(Protocol):
+    """Counts the runs of client requests (implemented by the fleet session's
+    :class:`agent.fleet.telemetry.InferenceStatsCollector`). Called on the event loop; must be
+    quick and must not raise."""
+
+    def record(
+        self,
+        model: str,
+        version: str,
+        latency_s: float,
+        outcome: Outcome,
+        *,
+        role: InferenceRole = InferenceRole.STABLE,
+        agreed: bool | None = None,
+    ) -> None:
+        """One run of ``version`` in ``role`` that took ``latency_s`` seconds; ``agreed``: for
+        a shadow answer, whether it agreed with stable's (None: not compared)."""
 
 
 class ModelNotFoundError(RunnerError):
@@ -145,6 +191,15 @@ class ModelSlot:
             return "shadow"
         return "retiring"
 
+    def counted_role(self, version: str) -> InferenceRole:
+        """The role ``version``'s requests are counted under; a version retiring (draining
+        after a swap) finishes as stable."""
+        if self.canary is not None and version == self.canary.version:
+            return InferenceRole.CANARY
+        if self.shadow is not None and version == self.shadow.version:
+            return InferenceRole.SHADOW
+        return InferenceRole.STABLE
+
 
 class ModelManager:
     """Owns every loaded model version of the agent."""
@@ -157,8 +212,11 @@ class ModelManager:
         metrics: AgentMetrics | None = None,
         available_memory: Callable[[], int | None] | None = None,
         memory_factor: float = 3.0,
+        stats: InferenceObserver | None = None,
     ) -> None:
         self._factory = runner_factory
+        self.stats = stats
+        """Where the runs of counted requests go (see the module docstring); None: nowhere."""
         self.batching = batching or BatchingConfig()
         self.metrics = metrics or AgentMetrics()
         self._available_memory = available_memory or _available_memory
@@ -395,14 +453,18 @@ class ModelManager:
         priority: Priority = Priority.NORMAL,
         timeout_s: float | None = None,
         busy: bool = True,
+        counted: bool = False,
     ) -> tuple[LoadedVersion, dict[str, Array]]:
         """Run ``feeds`` on ``lv`` (from :meth:`route`) and return who answered and the outputs.
 
         A canary failure is recorded and the request answered by stable instead (unless the
         version was pinned); a version retired between routing and queueing hands over to the
-        current stable. Shadow copies are started here.
+        current stable. Shadow copies are started here. ``counted``: a client's request, whose
+        runs go to :attr:`stats` (the transports set it; internal probes do not).
         """
         slot = self._slots.get(lv.name)
+        stats = self.stats if counted else None
+        t0 = time.perf_counter() if stats is not None else 0.0
         # The batch future is awaited here, not through LoadedVersion.infer: this is every
         # request's path, and each coroutine frame in between costs a resume per request.
         try:
@@ -412,22 +474,67 @@ class ModelManager:
             if pinned:
                 raise ModelNotFoundError(f"{lv.name} {lv.version} was unloaded") from None
             current = self.route(lv.name)
-            return current, await current.infer(feeds, priority, timeout_s)
-        except (InferenceError, DeadlineExceededError) as e:
-            if isinstance(e, InputError) or slot is None or not self._is_canary(slot, lv):
+            return current, await self._answer_for(current, feeds, priority, timeout_s, stats)
+        except Exception as e:
+            if stats is not None:
+                role = slot.counted_role(lv.version) if slot is not None else InferenceRole.STABLE
+                stats.record(lv.name, lv.version, time.perf_counter() - t0, outcome_of(e),
+                             role=role)  # fmt: skip
+            if (
+                not isinstance(e, (InferenceError, DeadlineExceededError))
+                or isinstance(e, InputError)
+                or slot is None
+                or not self._is_canary(slot, lv)
+            ):
                 raise
             self._record_canary(slot, failed=True)
             if pinned:
                 raise
             stable = self.get(lv.name)
             log.warning("canary %s %s failed (%s); answered by stable", lv.name, lv.version, e)
-            return stable, await stable.infer(feeds, priority, timeout_s)
+            return stable, await self._answer_for(stable, feeds, priority, timeout_s, stats)
+        role = InferenceRole.STABLE
         if slot is not None:
             if self._is_canary(slot, lv):
+                role = InferenceRole.CANARY
                 self._record_canary(slot, failed=False)
-            elif slot.shadow is not None and lv.version == slot.stable:
-                self._start_shadow(slot, feeds, outputs)
+            else:
+                role = slot.counted_role(lv.version)
+                if slot.shadow is not None and lv.version == slot.stable:
+                    self._start_shadow(slot, feeds, outputs, stats)
+        if stats is not None:
+            stats.record(lv.name, lv.version, time.perf_counter() - t0, Outcome.OK, role=role)
         return lv, outputs
+
+    async def _answer_for(
+        self,
+        lv: LoadedVersion,
+        feeds: dict[str, Array],
+        priority: Priority,
+        timeout_s: float | None,
+        stats: InferenceObserver | None,
+    ) -> dict[str, Array]:
+        """Run a request on ``lv``, the stable version answering for another one, counted in
+        ``stats`` as stable's."""
+        t0 = time.perf_counter()
+        try:
+            outputs = await lv.infer(feeds, priority, timeout_s)
+        except Exception as e:
+            if stats is not None:
+                stats.record(lv.name, lv.version, time.perf_counter() - t0, outcome_of(e))
+            raise
+        if stats is not None:
+            stats.record(lv.name, lv.version, time.perf_counter() - t0, Outcome.OK)
+        return outputs
+
+    def count_refused(self, lv: LoadedVersion, latency_s: float, outcome: Outcome) -> None:
+        """Count in :attr:`stats` a client's request routed to ``lv`` that failed before it
+        could run there (its body does not fit the version's inputs): the transports call it,
+        so that every request a version was given is in its statistics."""
+        if self.stats is not None:
+            slot = self._slots.get(lv.name)
+            role = slot.counted_role(lv.version) if slot is not None else InferenceRole.STABLE
+            self.stats.record(lv.name, lv.version, latency_s, outcome, role=role)
 
     @staticmethod
     def _is_canary(slot: ModelSlot, lv: LoadedVersion) -> bool:
@@ -451,7 +558,11 @@ class ModelManager:
             )
 
     def _start_shadow(
-        self, slot: ModelSlot, feeds: dict[str, Array], stable_out: dict[str, Array]
+        self,
+        slot: ModelSlot,
+        feeds: dict[str, Array],
+        stable_out: dict[str, Array],
+        stats: InferenceObserver | None,
     ) -> None:
         shadow = slot.shadow
         assert shadow is not None
@@ -462,7 +573,7 @@ class ModelManager:
         lv = slot.versions[shadow.version]
         shadow.pending += 1
         task = asyncio.get_running_loop().create_task(
-            self._shadow(slot, shadow, lv, feeds, stable_out)
+            self._shadow(slot, shadow, lv, feeds, stable_out, stats)
         )
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
@@ -474,24 +585,33 @@ class ModelManager:
         lv: LoadedVersion,
         feeds: dict[str, Array],
         stable_out: dict[str, Array],
+        stats: InferenceObserver | None,
     ) -> None:
+        """Run a copy of a request stable answered on the shadow and compare the answers; a
+        failed run is a shadow error and no comparison."""
         t0 = time.perf_counter()
         try:
             out = await lv.infer(feeds, Priority.LOW, None)
-        except RunnerError:
+        except RunnerError as e:
             self.metrics.shadow_comparisons.labels(slot.name, "error").inc()
-            shadow.compared += 1
+            if stats is not None:
+                stats.record(lv.name, lv.version, time.perf_counter() - t0, outcome_of(e),
+                             role=InferenceRole.SHADOW)  # fmt: skip
             return
         finally:
             shadow.pending -= 1
-        self.metrics.shadow_latency.labels(slot.name).observe(time.perf_counter() - t0)
-        agree = outputs_agree(stable_out, out)
+        elapsed = time.perf_counter() - t0
+        self.metrics.shadow_latency.labels(slot.name).observe(elapsed)
+        agree = answers_agree(stable_out, out)
         shadow.compared += 1
         shadow.agreed += agree
         self.metrics.shadow_comparisons.labels(slot.name, "agree" if agree else "disagree").inc()
         self.metrics.shadow_agreement.labels(slot.name, shadow.version).set(
             shadow.agreed / shadow.compared
         )
+        if stats is not None:
+            stats.record(lv.name, lv.version, elapsed, Outcome.OK, role=InferenceRole.SHADOW,
+                         agreed=agree)  # fmt: skip
 
     async def wait_for_shadows(self) -> None:
         """Wait for shadow comparisons started so far (tests and shutdown)."""

@@ -13,14 +13,15 @@ Routes::
 Headers: ``X-Model-Version`` pins a version, ``X-Request-Key`` makes canary routing sticky,
 ``X-Priority`` is high/normal/low, ``X-Timeout-Ms`` sets the request deadline (read, with
 their MQTT counterparts, by :mod:`.requests`). Every error is ``{"error": "...", "code": "..."}``
-with the matching status (:func:`.requests.classify`); 429 carries ``Retry-After``.
+with the matching status (:func:`.requests.classify`); 429 carries ``Retry-After``. Inference
+requests are counted in the manager's statistics per version and role as MQTT ones are
+(:mod:`.requests`).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -30,7 +31,13 @@ from mcp_edge.agent import __version__
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
 from mcp_edge.agent.serving.metrics import AgentMetrics
 from mcp_edge.agent.serving.preprocess import prepare_v1_inputs, top_k
-from mcp_edge.agent.serving.requests import HTTP_HEADERS, RequestError, classify, parse_options
+from mcp_edge.agent.serving.requests import (
+    HTTP_HEADERS,
+    RequestError,
+    classify,
+    count_unrun,
+    parse_options,
+)
 from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
 from mcp_edge.shared.protocol.wire import ErrorCode, loads
 
@@ -79,9 +86,14 @@ class Handlers:
         # Only loaded models become label values: a URL must not mint metric series.
         return model if model in self.manager.loaded_names else "_unknown"
 
-    def _failed(self, model: str, protocol: str, e: Exception) -> web.Response:
+    def _failed(
+        self, model: str, protocol: str, e: Exception, unrun: LoadedVersion | None, started: float
+    ) -> web.Response:
+        """The error answer; ``unrun``: the version the request was routed to when it failed
+        before running there (counted in the statistics as its request)."""
         m = self.metrics
         err = _classify(e)
+        count_unrun(self.manager, unrun, err, time.perf_counter() - started)
         label = self._model_label(model)
         if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
             m.rejections.labels(label, err.code.value).inc()
@@ -102,24 +114,6 @@ class Handlers:
         children[0].inc()
         children[1].observe(time.perf_counter() - started)
 
-    async def _guarded(
-        self,
-        request: web.Request,
-        model: str,
-        protocol: str,
-        work: Callable[[], Awaitable[tuple[LoadedVersion, web.Response]]],
-    ) -> web.Response:
-        t0 = time.perf_counter()
-        self.metrics.active.inc()
-        try:
-            lv, response = await work()
-        except Exception as e:
-            return self._failed(model, protocol, e)
-        finally:
-            self.metrics.active.dec()
-        self._succeeded(lv, protocol, t0)
-        return response
-
     async def _body(self, request: web.Request, protocol: str) -> bytes:
         if request.content_length is not None and request.content_length > self.max_body:
             raise RequestError(
@@ -137,6 +131,8 @@ class Handlers:
         active = self.metrics.active
         active.inc()
         self._active += 1
+        lv: LoadedVersion | None = None
+        ran = False
         try:
             body = await self._body(request, "v2")
             obj = loads(body, max_bytes=self.max_body)
@@ -146,6 +142,7 @@ class Handlers:
             )
             lv = self.manager.route(model, version, key)
             rid, feeds, wanted = decode_feeds(obj, lv.info.inputs)
+            ran = True
             answered, outputs = await self.manager.infer(
                 lv,
                 feeds,
@@ -153,6 +150,7 @@ class Handlers:
                 priority=priority,
                 timeout_s=timeout,
                 busy=self._active > 1,
+                counted=True,
             )
             names = output_names(outputs, wanted, answered.output_names)
             response = web.Response(
@@ -160,7 +158,7 @@ class Handlers:
                 content_type=_JSON,
             )
         except Exception as e:
-            return self._failed(model, "v2", e)
+            return self._failed(model, "v2", e, None if ran else lv, t0)
         finally:
             active.dec()
             self._active -= 1
@@ -170,9 +168,11 @@ class Handlers:
     async def infer_v1(self, request: web.Request) -> web.Response:
         names = self.manager.names()
         model = "unknown"
-
-        async def work() -> tuple[LoadedVersion, web.Response]:
-            nonlocal model
+        t0 = time.perf_counter()
+        self.metrics.active.inc()
+        lv: LoadedVersion | None = None
+        ran = False
+        try:
             body = await self._body(request, "v1")
             try:
                 doc = orjson.loads(body)
@@ -188,8 +188,14 @@ class Handlers:
             version, key, priority, timeout = parse_options(request.headers.get, HTTP_HEADERS)
             lv = self.manager.route(model, version, key)
             feeds, k = prepare_v1_inputs(doc, lv)
+            ran = True
             answered, outputs = await self.manager.infer(
-                lv, feeds, pinned=version is not None, priority=priority, timeout_s=timeout
+                lv,
+                feeds,
+                pinned=version is not None,
+                priority=priority,
+                timeout_s=timeout,
+                counted=True,
             )
             first = answered.info.outputs[0].name
             result = {
@@ -197,9 +203,13 @@ class Handlers:
                 "model_version": answered.version,
                 "predictions": top_k(outputs[first], answered.source.labels, k),
             }
-            return answered, _json(result)
-
-        return await self._guarded(request, model, "v1", work)
+            response = _json(result)
+        except Exception as e:
+            return self._failed(model, "v1", e, None if ran else lv, t0)
+        finally:
+            self.metrics.active.dec()
+        self._succeeded(answered, "v1", t0)
+        return response
 
     # --- metadata and health
     async def server_metadata(self, request: web.Request) -> web.Response:

@@ -28,7 +28,14 @@ Every failure reaches the client as a :class:`RequestError` (:func:`classify`)::
     anything else                                internal      "internal error: <type>", logged
 
 The code gives the HTTP status (:attr:`ErrorCode.http_status`), which MQTT replies carry too.
-This module imports no transport library.
+
+Statistics: both transports ask the model manager to count each request's runs
+(``ModelManager.infer(..., counted=True)``: the answer, a canary failure handed to stable, a
+shadow's copy, each under its version's role) and count a request that failed after routing
+but before it ran with :func:`count_unrun` (an error, or a rejection for ``overloaded`` and
+``timeout``: :func:`outcome_for`). A request that never reached a version (bad options, unknown
+model, body not JSON or over the cap) is in no version's statistics, only in the metrics by
+code. This module imports no transport library.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from mcp_edge.agent.runtime.batcher import (
     OverloadedError,
     Priority,
 )
-from mcp_edge.agent.runtime.manager import ModelNotFoundError
+from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError, Outcome
 from mcp_edge.agent.runtime.runner import InferenceError, InputError
 from mcp_edge.agent.serving.preprocess import PreprocessError
 from mcp_edge.shared.errors import MessageError
@@ -87,6 +94,22 @@ def classify(e: Exception) -> RequestError:
         return RequestError(ErrorCode.INTERNAL, f"inference failed: {e}")
     log.exception("unexpected error while handling a request")
     return RequestError(ErrorCode.INTERNAL, f"internal error: {type(e).__name__}")
+
+
+def outcome_for(err: RequestError) -> Outcome:
+    """How a request answered with ``err`` counts: overload and deadline are rejections."""
+    if err.code is ErrorCode.OVERLOADED or err.code is ErrorCode.TIMEOUT:
+        return Outcome.REJECTED
+    return Outcome.ERROR
+
+
+def count_unrun(
+    manager: ModelManager, lv: LoadedVersion | None, err: RequestError, latency_s: float
+) -> None:
+    """Count a request routed to ``lv`` that failed with ``err`` before it ran (None: it was
+    never routed, and nothing is counted)."""
+    if lv is not None:
+        manager.count_refused(lv, latency_s, outcome_for(err))
 
 
 class RequestOptions(NamedTuple):

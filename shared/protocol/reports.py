@@ -23,7 +23,9 @@ values are built by the agent itself and are not validated here; the control pla
 what arrives.
 
 The enums the state machine and the reports share (:class:`DeploymentPhase`,
-:class:`EventOutcome`) live here too, so the update agent's pure core needs no pydantic either.
+:class:`EventOutcome`) live here too, so the update agent's pure core needs no pydantic either,
+and so does :class:`InferenceRole` (the part a version played for the requests its statistics
+count), which the agent's statistics collector builds its reports with.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import orjson
 
 __all__ = [
     "DeploymentPhase", "EventOutcome", "EventReport", "GpuReport", "HealthReport",
-    "InferenceReport", "LatencyReport", "ModelInferenceReport", "ModelStatusReport", "Report",
+    "InferenceReport", "InferenceRole", "LatencyReport", "ModelInferenceReport", "ModelStatusReport", "Report",
     "StateReport", "as_wire", "encode_report",
 ]  # fmt: skip
 
@@ -64,6 +66,17 @@ class EventOutcome(str, enum.Enum):
     PROGRESS = "progress"
     OK = "ok"
     ERROR = "error"
+
+
+class InferenceRole(str, enum.Enum):
+    """The part a model version played for the requests its statistics count (DESIGN 4.6)."""
+
+    STABLE = "stable"
+    """Answered the requests routed to the model (and a canary's failures handed to it)."""
+    CANARY = "canary"
+    """Answered its weighted share of routed requests, or requests pinned to it."""
+    SHADOW = "shadow"
+    """Ran copies of stable's requests; its answers were compared, never sent."""
 
 
 # ------------------------------------------------------------------------------- telemetry
@@ -109,11 +122,12 @@ class LatencyReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelInferenceReport:
-    """Counters of one model version over one window
-    (:class:`~shared.protocol.telemetry.ModelInferenceStats`)."""
+    """Counters of one model version in one role over one window
+    (:class:`~shared.protocol.telemetry.ModelInferenceStats`); latencies in milliseconds."""
 
     model: str
     version: str
+    role: InferenceRole = InferenceRole.STABLE
     count: int
     errors: int
     rejections: int = 0
@@ -123,6 +137,8 @@ class ModelInferenceReport:
     queue_depth: int = 0
     batch_size_avg: float | None = None
     batch_fill_ratio: float | None = None
+    shadow_compared: int = 0
+    shadow_agreed: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,11 +7,14 @@ models here are their schema (the control plane validates with them).
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import ClassVar
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from mcp_edge.shared.protocol.base import Identifier, Message, VersionText
+from mcp_edge.shared.protocol.reports import InferenceRole
 
 Count = int
 _MAX_BINS = 256
@@ -52,10 +55,23 @@ class LatencySummary(Message):
 
 
 class ModelInferenceStats(Message):
-    """Counters for one model version over one reporting window."""
+    """Counters for one model version in one role (:class:`InferenceRole`) over one window.
+
+    ``count`` is every request the version took in the role, ``errors`` and ``rejections``
+    (overload, deadline) the failed ones among them. The latency histogram counts the successful
+    requests, ``latency_bucket_counts[i]`` those of at most ``latency_bucket_edges_ms[i]`` ms
+    (and above the edge before), the last count those above the last edge. For a shadow,
+    ``shadow_compared`` of its answers were compared with stable's and ``shadow_agreed`` agreed.
+
+    Refused (a ``ValueError``, so the control plane drops the report as ``schema``): errors and
+    rejections above ``count``, edges that are not finite, ≥ 0 and strictly increasing, counts
+    without exactly one more entry than the edges or that do not add up to the successful
+    requests, and more agreed shadow answers than compared ones.
+    """
 
     model: Identifier
     version: VersionText
+    role: InferenceRole = InferenceRole.STABLE
     count: Count = Field(ge=0)
     errors: Count = Field(ge=0)
     rejections: Count = Field(default=0, ge=0)
@@ -65,6 +81,35 @@ class ModelInferenceStats(Message):
     queue_depth: int = Field(default=0, ge=0)
     batch_size_avg: float | None = Field(default=None, ge=0)
     batch_fill_ratio: float | None = Field(default=None, ge=0, le=1)
+    shadow_compared: Count = Field(default=0, ge=0)
+    shadow_agreed: Count = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelInferenceStats:
+        succeeded = self.count - self.errors - self.rejections
+        if succeeded < 0:
+            raise ValueError("errors and rejections add up to more than count")
+        edges, counts = self.latency_bucket_edges_ms, self.latency_bucket_counts
+        if any(not math.isfinite(e) or e < 0 for e in edges):
+            raise ValueError("latency bucket edges must be finite and >= 0")
+        if any(b <= a for a, b in itertools.pairwise(edges)):
+            raise ValueError("latency bucket edges must be strictly increasing")
+        if counts:
+            if len(counts) != len(edges) + 1:
+                raise ValueError(
+                    f"{len(counts)} latency bucket counts for {len(edges)} edges "
+                    f"(one more count than edges: the last counts what is above the last edge)"
+                )
+            if any(c < 0 for c in counts):
+                raise ValueError("latency bucket counts must be >= 0")
+            if sum(counts) != succeeded:
+                raise ValueError(
+                    f"latency bucket counts add up to {sum(counts)}, not to the {succeeded} "
+                    "successful requests (count - errors - rejections)"
+                )
+        if self.shadow_agreed > self.shadow_compared:
+            raise ValueError("shadow_agreed is above shadow_compared")
+        return self
 
 
 class InferenceStats(Message):

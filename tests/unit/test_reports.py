@@ -25,6 +25,7 @@ from mcp_edge.shared.protocol import (
     HealthSample,
     InferenceStats,
     Message,
+    ModelInferenceStats,
     ReportedState,
     decode,
     encode,
@@ -36,6 +37,7 @@ from mcp_edge.shared.protocol.reports import (
     GpuReport,
     HealthReport,
     InferenceReport,
+    InferenceRole,
     LatencyReport,
     ModelInferenceReport,
     ModelStatusReport,
@@ -71,17 +73,31 @@ health = st.builds(
     temperatures_c=st.dictionaries(st.text(max_size=20), number(-100, 250), max_size=8),
     gpu=maybe(gpus), energy_j=maybe(number()),
 )  # fmt: skip
-model_stats = st.builds(
-    ModelInferenceReport, model=ids, version=versions, count=counts, errors=counts,
-    rejections=counts,
-    latency=maybe(st.builds(LatencyReport, p50_ms=number(), p95_ms=number(), p99_ms=number())),
-    latency_bucket_edges_ms=st.lists(number(), max_size=16),
-    latency_bucket_counts=st.lists(counts, max_size=17), queue_depth=counts,
-    batch_size_avg=maybe(number()), batch_fill_ratio=maybe(number(0, 1)),
-)  # fmt: skip
+
+
+@st.composite
+def model_stats(draw: st.DrawFn) -> ModelInferenceReport:
+    """Counters the schema accepts: a histogram (or none) adding up to the successful requests,
+    strictly increasing edges, no more agreed shadow answers than compared ones."""
+    edges = sorted(set(draw(st.lists(number(0, 1e6), max_size=16))))
+    buckets = st.lists(st.integers(0, 2**30), min_size=len(edges) + 1, max_size=len(edges) + 1)
+    hist = draw(maybe(buckets)) or []
+    succeeded = sum(hist) if hist else draw(counts)
+    errors, rejections, compared = draw(counts), draw(counts), draw(counts)
+    return ModelInferenceReport(
+        model=draw(ids), version=draw(versions), role=draw(st.sampled_from(InferenceRole)),
+        count=succeeded + errors + rejections, errors=errors, rejections=rejections,
+        latency=draw(maybe(st.builds(LatencyReport, p50_ms=number(), p95_ms=number(),
+                                     p99_ms=number()))),
+        latency_bucket_edges_ms=edges, latency_bucket_counts=hist, queue_depth=draw(counts),
+        batch_size_avg=draw(maybe(number())), batch_fill_ratio=draw(maybe(number(0, 1))),
+        shadow_compared=compared, shadow_agreed=draw(st.integers(0, compared)),
+    )  # fmt: skip
+
+
 inference = st.builds(
     InferenceReport, device_id=ids, ts=number(), window_s=number(1e-3, 1e6),
-    models=st.lists(model_stats, max_size=4),
+    models=st.lists(model_stats(), max_size=4),
 )  # fmt: skip
 statuses = st.builds(
     ModelStatusReport, name=ids, phase=st.sampled_from(DeploymentPhase),
@@ -164,3 +180,45 @@ def test_the_plain_error_reply_is_the_bytes_of_the_model(
     # MQTT inference answers every failure with it, without loading the models.
     model = ErrorReply(error=text, code=code, retry_after_s=retry_after_s)
     assert error_reply_body(text, code, retry_after_s) == encode(model)
+
+
+def _stats(**fields: Any) -> dict[str, Any]:
+    return {"model": "digits", "version": "1.2.0", "count": 10, "errors": 1, **fields}
+
+
+def test_inference_stats_of_an_older_agent_still_validate_as_stable() -> None:
+    # Before roles: no role, no shadow counters, a histogram of the successful requests.
+    old = ModelInferenceStats.model_validate(
+        _stats(latency_bucket_edges_ms=[1.0, 10.0], latency_bucket_counts=[4, 4, 1])
+    )
+    assert old.role is InferenceRole.STABLE and (old.shadow_compared, old.shadow_agreed) == (0, 0)
+    assert ModelInferenceStats.model_validate(_stats()).latency_bucket_counts == []
+    shadow = ModelInferenceStats.model_validate(
+        _stats(role="shadow", shadow_compared=9, shadow_agreed=8)
+    )
+    assert shadow.role is InferenceRole.SHADOW
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"role": "retiring"}, "role"),
+        ({"errors": 6, "rejections": 5}, "more than count"),
+        ({"latency_bucket_edges_ms": [1.0, 1.0], "latency_bucket_counts": [9, 0, 0]},
+         "strictly increasing"),
+        ({"latency_bucket_edges_ms": [5.0, 1.0], "latency_bucket_counts": [9, 0, 0]},
+         "strictly increasing"),
+        ({"latency_bucket_edges_ms": [-1.0, 1.0], "latency_bucket_counts": [9, 0, 0]}, ">= 0"),
+        ({"latency_bucket_edges_ms": [1.0, 2.0], "latency_bucket_counts": [9, 0]}, "one more"),
+        ({"latency_bucket_counts": [9, 0]}, "one more"),
+        ({"latency_bucket_edges_ms": [1.0], "latency_bucket_counts": [10, 0]}, "add up to 10"),
+        ({"latency_bucket_edges_ms": [1.0], "latency_bucket_counts": [10, -1]}, ">= 0"),
+        ({"shadow_compared": 3, "shadow_agreed": 4}, "shadow_agreed"),
+        ({"shadow_compared": -1}, "greater than or equal"),
+    ],
+)  # fmt: skip
+def test_inference_stats_that_contradict_themselves_are_refused(
+    fields: dict[str, Any], why: str
+) -> None:
+    with pytest.raises(ValueError, match=why):
+        ModelInferenceStats.model_validate(_stats(**fields))

@@ -1,4 +1,6 @@
-"""Health and inference telemetry: tegrastats parsing on recorded lines, psutil health, stats."""
+"""Health and inference telemetry: tegrastats parsing on recorded lines, psutil health, and the
+inference statistics per model version and role (the collector, the model manager feeding it
+with a canary and a shadow, and the shadow agreement test)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,15 @@ import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from mcp_edge.agent.fleet.telemetry import (
+    LATENCY_EDGES_MS,
     HealthCollector,
     InferenceStatsCollector,
     Outcome,
@@ -21,7 +26,13 @@ from mcp_edge.agent.fleet.telemetry import (
     TegrastatsReader,
     parse_tegrastats_line,
 )
+from mcp_edge.agent.runtime.canary import answers_agree
+from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
+from mcp_edge.agent.runtime.runner import Array, ModelRunner
 from mcp_edge.shared.protocol import HealthSample, InferenceStats, decode, encode, encode_report
+from mcp_edge.shared.protocol.canary import CanaryPolicy
+from mcp_edge.shared.protocol.reports import InferenceRole, ModelInferenceReport
+from tests.support.runners import DoublingRunner, FailingAfterWarmup
 
 # Lines as boards print them (from public logs of real devices).
 ORIN_AGX = (
@@ -203,30 +214,60 @@ def test_health_sample_from_this_machine_is_valid_on_the_wire(tmp_path: Path) ->
     assert encode(decode(encode_report(sample), HealthSample)) == encode_report(sample)
 
 
-def test_inference_stats_per_version_with_percentiles_and_histogram() -> None:
+def test_inference_stats_per_version_and_role_with_percentiles_and_histogram() -> None:
     now = [100.0]
     stats = InferenceStatsCollector(clock=lambda: now[0], rng=random.Random(0))
     for i in range(1, 101):
         stats.record("digits", "1.2.0", i / 1000.0, Outcome.OK)  # 1..100 ms
     stats.record("digits", "1.2.0", 0.5, Outcome.ERROR)
-    stats.record("digits", "1.3.0", 0.002, Outcome.OK)
-    stats.record("digits", "1.3.0", 0.0, Outcome.REJECTED)
+    stats.record("digits", "1.3.0", 0.002, Outcome.OK, role=InferenceRole.CANARY)
+    stats.record("digits", "1.3.0", 0.0, Outcome.REJECTED, role=InferenceRole.CANARY)
+    stats.record("digits", "1.3.0", 0.003, Outcome.OK, role=InferenceRole.SHADOW, agreed=True)
+    stats.record("digits", "1.3.0", 0.004, Outcome.OK, role=InferenceRole.SHADOW, agreed=False)
+    stats.record("digits", "1.3.0", 0.004, Outcome.ERROR, role=InferenceRole.SHADOW)
     now[0] = 160.0
     snap = stats.snapshot("dev-1", now=5000.0)
     assert snap.window_s == 60.0 and snap.ts == 5000.0
-    by_version = {m.version: m for m in snap.models}
-    old, new = by_version["1.2.0"], by_version["1.3.0"]
+    by_key = {(m.version, m.role): m for m in snap.models}
+    assert list(by_key) == [("1.2.0", InferenceRole.STABLE), ("1.3.0", InferenceRole.CANARY),
+                            ("1.3.0", InferenceRole.SHADOW)]  # fmt: skip
+    old = by_key["1.2.0", InferenceRole.STABLE]
+    canary = by_key["1.3.0", InferenceRole.CANARY]
+    shadow = by_key["1.3.0", InferenceRole.SHADOW]
     assert (old.count, old.errors, old.rejections) == (101, 1, 0)
-    assert (new.count, new.errors, new.rejections) == (2, 0, 1)
+    assert (canary.count, canary.errors, canary.rejections) == (2, 0, 1)
+    assert (shadow.count, shadow.errors, shadow.shadow_compared, shadow.shadow_agreed) == (
+        3,
+        1,
+        2,
+        1,
+    )
+    assert (old.shadow_compared, canary.shadow_compared) == (0, 0)
     assert old.latency is not None
     assert old.latency.p50_ms == pytest.approx(50.5)
     assert old.latency.p95_ms == pytest.approx(95.05)
     assert old.latency.p99_ms == pytest.approx(99.01)
-    assert sum(old.latency_bucket_counts) == 100  # successful requests only
+    # The histogram holds the successful requests: count - errors - rejections.
+    assert old.latency_bucket_edges_ms == list(LATENCY_EDGES_MS)
+    assert sum(old.latency_bucket_counts) == 100 and sum(canary.latency_bucket_counts) == 1
     assert len(old.latency_bucket_counts) == len(old.latency_bucket_edges_ms) + 1
-    assert encode(decode(encode_report(snap), InferenceStats)) == encode_report(snap)
-    # The window restarts.
+    # 1..100 ms on the edges: e.g. 26..35 ms fall in the bucket ending at 35 ms.
+    assert old.latency_bucket_counts[LATENCY_EDGES_MS.index(35.0)] == 10
+    # What the agent sends passes the control plane's schema, role included.
+    wire = decode(encode_report(snap), InferenceStats)
+    assert encode(wire) == encode_report(snap)
+    assert [m.role.value for m in wire.models] == ["stable", "canary", "shadow"]
+    # The window restarts, and a window without requests lists nothing.
     assert stats.snapshot("dev-1").models == []
+
+
+def test_latency_edges_are_fixed_increasing_and_few() -> None:
+    edges = LATENCY_EDGES_MS
+    assert edges[0] == 0.25 and edges[-1] == 10_000.0 and len(edges) <= 32
+    assert list(edges) == sorted(set(edges))
+    for bad in ((), (1.0, 1.0), (2.0, 1.0), (-1.0, 1.0), (1.0, float("inf"))):
+        with pytest.raises(ValueError):
+            InferenceStatsCollector(edges_ms=bad)
 
 
 def test_reservoir_keeps_memory_bounded() -> None:
@@ -238,3 +279,116 @@ def test_reservoir_keeps_memory_bounded() -> None:
     assert m.version == "1.0.0" and m.count == 10_000
     assert m.latency is not None and 30 < m.latency.p50_ms < 70
     assert sum(m.latency_bucket_counts) == 10_000
+
+
+# ------------------------------------------------------------------------------ the manager feeds it
+class _ReversingRunner(DoublingRunner):
+    """Doubles, then reverses each row: another top class for a row with distinct values."""
+
+    def run(self, feeds: dict[str, Array]) -> dict[str, Array]:
+        return {"y": super().run(feeds)["y"][:, ::-1].copy()}
+
+
+def _rows(n: int) -> list[dict[str, Array]]:
+    return [{"x": np.array([[i, 0, 1, 2]], np.float32)} for i in range(n)]
+
+
+def _by_role(
+    stats: InferenceStatsCollector,
+) -> dict[tuple[str, InferenceRole], ModelInferenceReport]:
+    return {(m.version, m.role): m for m in stats.snapshot("dev-1").models}
+
+
+def _manager(tmp_path: Path, runners: dict[str, Callable[[], ModelRunner]]) -> ModelManager:
+    model = tmp_path / "m.onnx"
+    model.write_bytes(b"x")
+    return ModelManager(lambda source: [runners[source.version]()],
+                        stats=InferenceStatsCollector())  # fmt: skip
+
+
+async def test_a_canary_failure_answered_by_stable_is_a_canary_error_and_a_stable_request(
+    tmp_path: Path,
+) -> None:
+    failing: list[FailingAfterWarmup] = []
+
+    def canary_runner() -> ModelRunner:
+        failing.append(FailingAfterWarmup(DoublingRunner()))
+        return failing[-1]
+
+    manager = _manager(tmp_path, {"1": DoublingRunner, "2": canary_runner})
+    stats = manager.stats
+    assert isinstance(stats, InferenceStatsCollector)
+    try:
+        await manager.load(ModelSource("m", "1", tmp_path / "m.onnx"))
+        await manager.load(ModelSource("m", "2", tmp_path / "m.onnx"), role="canary",
+                           canary=CanaryPolicy(weight=1.0, max_error_rate=0.5, min_requests=4))  # fmt: skip
+        failing[0].armed = True
+        answered = []
+        for feeds in _rows(10):
+            who, _ = await manager.infer(manager.route("m"), feeds, counted=True)
+            answered.append(who.version)
+        # A probe (not counted) changes no statistics.
+        await manager.infer(manager.get("m", "1"), _rows(1)[0], pinned=True)
+    finally:
+        await manager.close()
+    assert answered == ["1"] * 10  # stable answered every request
+    got = _by_role(stats)
+    canary, stable = got["2.0.0", InferenceRole.CANARY], got["1.0.0", InferenceRole.STABLE]
+    # The canary took requests until its error rate took it out of rotation (4 results).
+    assert (canary.count, canary.errors) == (4, 4)
+    assert (stable.count, stable.errors) == (10, 0)
+    assert sum(stable.latency_bucket_counts) == 10 and sum(canary.latency_bucket_counts) == 0
+
+
+async def test_shadow_runs_count_as_shadow_requests_with_their_agreement(tmp_path: Path) -> None:
+    for shadow_runner, agreeing in ((DoublingRunner, 8), (_ReversingRunner, 1)):
+        manager = _manager(tmp_path, {"1": DoublingRunner, "2": shadow_runner})
+        stats = manager.stats
+        assert isinstance(stats, InferenceStatsCollector)
+        try:
+            await manager.load(ModelSource("m", "1", tmp_path / "m.onnx"))
+            await manager.load(ModelSource("m", "2", tmp_path / "m.onnx"), role="shadow")
+            for feeds in _rows(8):
+                who, out = await manager.infer(manager.route("m"), feeds, counted=True)
+                assert who.version == "1" and np.array_equal(out["y"], feeds["x"] * 2)
+            await manager.wait_for_shadows()
+        finally:
+            await manager.close()
+        got = _by_role(stats)
+        assert set(got) == {("1.0.0", InferenceRole.STABLE), ("2.0.0", InferenceRole.SHADOW)}
+        shadow = got["2.0.0", InferenceRole.SHADOW]
+        assert got["1.0.0", InferenceRole.STABLE].count == 8
+        assert (shadow.count, shadow.errors, shadow.shadow_compared) == (8, 0, 8)
+        # Reversed, the rows [2i, 0, 2, 4] change their top class, except [4, 0, 2, 4] (i = 2:
+        # a tie, where the first of the top values wins both ways).
+        assert shadow.shadow_agreed == agreeing
+
+
+# ------------------------------------------------------------------------------ shadow agreement
+def _f(*rows: Any) -> Array:
+    return np.array(rows, np.float32)
+
+
+@pytest.mark.parametrize(
+    ("stable", "shadow", "agree"),
+    [
+        ({"y": _f([0.1, 0.9], [0.8, 0.2])}, {"y": _f([0.3, 0.7], [0.6, 0.4])}, True),
+        ({"y": _f([0.1, 0.9], [0.8, 0.2])}, {"y": _f([0.3, 0.7], [0.4, 0.6])}, False),
+        ({"y": _f([1.0], [2.0])}, {"y": _f([1.0005], [2.0])}, True),  # no argmax: allclose
+        ({"y": _f([1.0], [2.0])}, {"y": _f([1.01], [2.0])}, False),
+        ({"y": _f(0.5, 0.25)}, {"y": _f(0.5, 0.25)}, True),
+        ({"y": _f([float("nan")])}, {"y": _f([float("nan")])}, False),
+        ({"y": np.array([3, 1])}, {"y": np.array([3, 1])}, True),  # labels as integers
+        ({"y": np.array([1000])}, {"y": np.array([1001])}, False),  # equal, not close
+        ({"y": np.array(["cat", "dog"], object)}, {"y": np.array(["cat", "dog"], object)}, True),
+        ({"y": np.array(["cat", "dog"], object)}, {"y": np.array(["cat", "cow"], object)}, False),
+        ({"y": _f([0.1, 0.9])}, {"y": _f([0.1, 0.9], [0.1, 0.9])}, False),  # shapes differ
+        ({"y": _f([0.1, 0.9])}, {"z": _f([0.1, 0.9])}, False),  # nothing to compare
+        ({"y": _f([0.1, 0.9]), "n": np.array([1])},
+         {"y": _f([0.2, 0.8]), "n": np.array([2])}, False),  # every shared output must agree
+    ],
+)  # fmt: skip
+def test_shadow_answers_agree_by_top_class_closeness_or_equality(
+    stable: dict[str, Array], shadow: dict[str, Array], agree: bool
+) -> None:
+    assert answers_agree(stable, shadow) is agree
