@@ -1,8 +1,8 @@
 """Signed webhook delivery: a durable outbox in the database and a task that empties it.
 
 Producers call :func:`enqueue` inside their own transaction, so an event (a rollout moving to
-its next stage, ...) is stored if and only if the change it describes commits; they call
-:meth:`WebhookDispatcher.wake` after the commit. The dispatcher claims due rows in batches
+its next stage, ...) is stored if and only if the change it describes commits, and call
+:meth:`WebhookDispatcher.wake` after the commit; :meth:`WebhookDispatcher.notify` does both. The dispatcher claims due rows in batches
 (:func:`controlplane.db.webhooks.claim_due`: a lease, ``FOR UPDATE SKIP LOCKED`` on PostgreSQL,
 so replicas never POST one row at the same time), POSTs each to its webhook outside any
 transaction, and records the outcome. Delivery is at least once: a replica that dies between
@@ -265,6 +265,7 @@ class WebhookDispatcher:
     ) -> None:
         self._db = db
         self._hooks = {w.name: w for w in webhooks}
+        self._configs = tuple(w.config for w in webhooks)
         self._clock = clock
         registry = metrics.registry if isinstance(metrics, ControlPlaneMetrics) else metrics
         self.metrics = WebhookMetrics(registry or CollectorRegistry())
@@ -320,6 +321,12 @@ class WebhookDispatcher:
     def wake(self) -> None:
         """Run a round now (call after a transaction that enqueued events has committed)."""
         self._wake.set()
+
+    async def notify(self, tx: Tx, event: str, body: Mapping[str, Any], now: datetime) -> None:
+        """:func:`enqueue` for this dispatcher's webhooks, and :meth:`wake` once ``tx``
+        commits: what a producer (the rollout service's ``notify``) is handed."""
+        if await enqueue(tx, self._configs, event, body, now=now):
+            q.call_after_commit(tx, self.wake)
 
     # ------------------------------------------------------------------ one round
     async def run_once(self) -> int:

@@ -16,18 +16,20 @@ claim it made (same ``attempts``), so a late answer never overwrites a newer cla
 from __future__ import annotations
 
 import typing
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Table, and_, bindparam, func, insert, select, update
+from sqlalchemy import Table, and_, bindparam, event, func, insert, select, update
+from sqlalchemy.orm import Session
 
 from mcp_edge.controlplane.db.engine import Tx
 from mcp_edge.controlplane.db.models import WebhookDeliveryRow
 
 DELIVERIES = typing.cast(Table, WebhookDeliveryRow.__table__)
 MAX_ERROR_CHARS = 512
+_AFTER_COMMIT = "mcp_webhooks_after_commit"
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,19 @@ async def insert_deliveries(
     ]
     await tx.execute(insert(DELIVERIES), rows)
     return len(rows)
+
+
+def call_after_commit(tx: Tx, callback: Callable[[], None]) -> None:
+    """Call ``callback`` (once) when ``tx`` commits; never when it rolls back. Further calls in
+    the same transaction add nothing."""
+    if tx.info.get(_AFTER_COMMIT):
+        return
+    tx.info[_AFTER_COMMIT] = True
+
+    def committed(session: Session) -> None:
+        callback()
+
+    event.listen(tx.sync_session, "after_commit", committed, once=True)
 
 
 async def claim_due(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -138,6 +139,14 @@ async def queue(
 async def rows(db: Database) -> list[q.DeliveryView]:
     async with db.read() as tx:
         return await q.list_deliveries(tx, limit=1000)
+
+
+async def until_delivered(db: Database) -> None:
+    """Poll until no row is pending, for at most WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while any(r.pending for r in await rows(db)):
+        assert time.monotonic() < deadline, "deliveries still pending"
+        await asyncio.sleep(0.02)
 
 
 def dispatcher(
@@ -376,9 +385,11 @@ async def test_rows_of_an_unconfigured_webhook_wait_with_one_warning(
     assert pending(registry, "ops") == 0
 
 
-async def test_the_background_task_delivers_when_woken(
+async def test_the_background_task_delivers_when_woken_or_notified_on_commit(
     db: Database, receiver: Receiver, secret_file: Path
 ) -> None:
+    """With an hour between idle rounds, only a wake gets events out: an explicit one after
+    :func:`enqueue`, or the one :meth:`notify` arranges for its transaction's commit."""
     clock = FakeClock()
     configs = [hook(secret_file, receiver.url())]
     d, _ = dispatcher(db, list(load_webhooks(configs)), clock, idle_s=3600.0)
@@ -387,12 +398,17 @@ async def test_the_background_task_delivers_when_woken(
         await queue(db, configs, clock, "rollout.stage_started", rollout=9, stage=2)
         d.wake()
         await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
+        receiver.arrived.clear()
+        await until_delivered(db)  # the round is over: the task waits for the next wake
+        async with db.transaction() as tx:
+            await d.notify(tx, "rollout.succeeded", {"rollout": 9}, clock())
+        await asyncio.wait_for(receiver.arrived.wait(), WAIT_S)
     finally:
         await d.stop()
-    (post,) = receiver.at("/hook")
-    assert post.document["data"] == {"rollout": 9, "stage": 2}
-    (row,) = await rows(db)
-    assert row.delivered_at is not None
+    first, second = receiver.at("/hook")
+    assert first.document["data"] == {"rollout": 9, "stage": 2}
+    assert second.document["type"] == "rollout.succeeded"
+    assert all(r.delivered_at is not None for r in await rows(db))
 
 
 @pytest.fixture
