@@ -45,10 +45,10 @@ from mcp_edge.controlplane.mqtt import BrokerAddress
 from mcp_edge.controlplane.repository.mqtt_service import RepoConnection, RepoMqttService
 from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.mqtt import MqttClient
+from mcp_edge.shared.protocol.reports import EventOutcome
 from mcp_edge.shared.protocol.state import (
     CanarySpec,
     DesiredModel,
-    EventOutcome,
     TargetRef,
     sign_desired_state,
     verify_desired_state,
@@ -374,7 +374,8 @@ async def test_a_prefetch_stays_through_upgrades_and_restarts_until_let_go(
     assert await answers(restarted, env) == {"1.3.0"}
     assert [device.transport.fetched(ref) for ref in v.values()] == [1, 1, 1, 1]
     assert device.loads == ["1.0.0", "1.1.0", "1.1.0", "1.3.0"]
-    assert again.store.index("digits").canary.version == "1.3.0"
+    committed = again.store.index("digits")
+    assert committed.canary is not None and committed.canary.version == "1.3.0"
 
     # A prefetch the desired state stops naming is let go.
     canary = CanarySpec(target=v["1.3.0"], weight=1.0)
