@@ -5,9 +5,8 @@ state it converges every model's stable, canary and shadow version through the p
 machine (:mod:`agent.update.machine`, handlers in :mod:`agent.update.steps`), then its
 ``prefetch``: that version is downloaded and verified as for an install, installed and kept in
 the store, never loaded, and reported among the installed versions (a later desired state that
-makes it stable or canary finds it installed, so that switch downloads nothing). Each step
-publishes a
-:class:`~shared.protocol.reports.EventReport` (the wire's ``DeploymentEvent``) for every step
+makes it stable or canary finds it installed, so that switch downloads nothing). It publishes
+a :class:`~shared.protocol.reports.EventReport` (the wire's ``DeploymentEvent``) for every step
 (the flight recorder: ``event_seq`` persisted and increasing across restarts) and the
 :class:`~shared.protocol.reports.StateReport` (``ReportedState``) after each change.
 
