@@ -47,5 +47,5 @@ def test_the_application_client_installs_as_mcp_edge_client_only() -> None:
 def test_console_scripts_point_into_mcp_edge() -> None:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     scripts = config["project"]["scripts"]
-    assert set(scripts) == {"mcp-agent", "mcp-controlplane", "mcp-bundle"}
+    assert set(scripts) == {"mcp-agent", "mcp-controlplane", "mcp-bundle", "mcp-sim"}
     assert all(target.startswith("mcp_edge.") for target in scripts.values())
