@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
@@ -57,6 +58,7 @@ from mcp_edge.controlplane.api.common import (
 )
 from mcp_edge.controlplane.api.deployments import attach_deployments
 from mcp_edge.controlplane.api.enroll import ENROLLMENT
+from mcp_edge.controlplane.api.rollouts import ROLLOUTS
 from mcp_edge.controlplane.api.schemas import Health, Request, Response
 from mcp_edge.controlplane.auth import PasswordHasher, Role, auth_middleware
 from mcp_edge.controlplane.broker.base import BrokerAdminError, BrokerProvisioner, Credentials
@@ -85,7 +87,9 @@ from mcp_edge.controlplane.repository.mqtt_service import (
 )
 from mcp_edge.controlplane.repository.service import RepositoryService
 from mcp_edge.controlplane.repository.tuf_repo import KeyStore
+from mcp_edge.controlplane.rollouts.service import RolloutService
 from mcp_edge.controlplane.settings import Settings
+from mcp_edge.controlplane.webhooks import WebhookDispatcher, load_webhooks
 from mcp_edge.shared.protocol.command import ErrorCode
 
 log = logging.getLogger("mcp.controlplane")
@@ -95,6 +99,7 @@ OPENAPI = web.AppKey("openapi", bytes)
 INGEST = web.AppKey("ingest", IngestService)
 REPO_MQTT = web.AppKey("repo_mqtt", RepoMqttService)
 BROKER_SESSIONS = web.AppKey("broker_sessions", list[MqttSubscriber])
+WEBHOOKS = web.AppKey("webhooks", WebhookDispatcher)
 """The control plane's own broker sessions (ingest, repository, desired), once started."""
 
 
@@ -416,6 +421,29 @@ def create_app(
         log.info("no broker configured: telemetry ingestion is off")
     deployments = DeploymentService(db, KeyStore(settings.data_dir / "keys"), None, clock, settings)
     attach_deployments(app, deployments, broker=ingest, provisioner=provisioner, sessions=sessions)
+    # Reads the webhook secrets now, so a missing or unreadable one stops serve before it starts.
+    webhooks = app[WEBHOOKS] = WebhookDispatcher(
+        db, load_webhooks(settings.webhooks), clock, metrics=metrics
+    )
+    rollouts = app[ROLLOUTS] = RolloutService(
+        db,
+        deployments,
+        clock,
+        owner=ingest.credentials.client_id if ingest is not None else f"cp-{os.getpid()}",
+        notify=webhooks.notify,
+        registry=metrics.registry,
+    )
+
+    async def start_rollouts(app: web.Application) -> None:
+        await webhooks.start()
+        await rollouts.start()
+
+    async def stop_rollouts(app: web.Application) -> None:
+        await rollouts.stop()
+        await webhooks.stop()
+
+    app.on_startup.append(start_rollouts)
+    app.on_cleanup.append(stop_rollouts)
     app[ENROLLMENT] = EnrollmentService(
         db, provisioner, trust, settings, clock, metrics, deployments=deployments
     )

@@ -14,6 +14,7 @@ from mcp_edge.controlplane.api import (
     devices,
     enroll,
     models,
+    rollouts,
     tokens,
     users,
 )
@@ -31,5 +32,6 @@ def all_endpoints() -> list[Endpoint]:
         *audit.ENDPOINTS,
         *models.ENDPOINTS,
         *deployments.ENDPOINTS,
+        *rollouts.ENDPOINTS,
         *apps.ENDPOINTS,
     ]

@@ -62,10 +62,10 @@ STATUSES = (
 class TargetIn(Request):
     """Which devices; every criterion given must hold."""
 
-    devices: Annotated[list[Identifier], Field(max_length=10_000)] = []
+    devices: Annotated[list[Identifier], Field(max_length=10_000, default_factory=list)]
     group: Identifier | None = None
     labels: Labels | None = None
-    profiles: Annotated[list[Identifier], Field(max_length=64)] = []
+    profiles: Annotated[list[Identifier], Field(max_length=64, default_factory=list)]
 
 
 class GateIn(Request):
@@ -87,7 +87,7 @@ class StageIn(Request):
     bake_s: float = Field(default=300.0, description="seconds settled before the gates decide")
     prefetch: bool = Field(default=False, description="download and verify first, then switch")
     approval: bool = Field(default=False, description="a human approves before it starts")
-    gates: Annotated[list[GateIn], Field(max_length=16)] = []
+    gates: Annotated[list[GateIn], Field(max_length=16, default_factory=list)]
 
 
 class RateIn(Request):
@@ -274,7 +274,7 @@ async def list_rollouts(request: web.Request) -> web.Response:
         statuses = list(q.ACTIVE_STATUSES)
     elif query.status is not None:
         statuses = [query.status]
-    details = await _service(request).list(
+    details = await _service(request).list_rollouts(
         limit=query.limit, before_id=query.before_id, model=query.model, statuses=statuses
     )
     return json_response(RolloutList(items=[rollout_out(d) for d in details]))
@@ -313,9 +313,7 @@ async def rollout_events(request: web.Request) -> web.Response:
     service, rollout_id = await _existing(request)
     async with service.db.read() as tx:
         rows = await q.list_events(tx, rollout_id, after_id=query.after_id, limit=query.limit)
-    return json_response(
-        RolloutEventList(items=[RolloutEventOut.model_validate(r) for r in rows])
-    )
+    return json_response(RolloutEventList(items=[RolloutEventOut.model_validate(r) for r in rows]))
 
 
 def _commander(op: str) -> Any:

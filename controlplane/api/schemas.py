@@ -347,6 +347,7 @@ PATH_PARAMETERS: dict[str, Any] = {
     "username": Username,
     "keyid": HexKey,
     "token_id": PathId,
+    "rollout_id": PathId,
     "file": Annotated[
         str, WithJsonSchema({"type": "string", "pattern": f"^{REPO_SEGMENT_PATTERN}$"})
     ],

@@ -363,7 +363,7 @@ async def snapshots(tx: Tx, model: str, device_ids: Sequence[str]) -> dict[str, 
                 )
             ).all()
         )
-        documents = dict(
+        documents: dict[str, Any] = dict(
             (
                 await tx.execute(
                     select(ReportedStateRow.device_id, ReportedStateRow.document).where(

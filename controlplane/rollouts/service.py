@@ -69,6 +69,7 @@ from mcp_edge.controlplane.rollouts.model import (
 )
 from mcp_edge.controlplane.rollouts.spec import (
     parse_spec,
+    plan_stage_sizes,
     spec_to_dict,
     state_from_dict,
     state_to_dict,
@@ -246,6 +247,10 @@ class RolloutService:
         self._gauged: set[tuple[str, ...]] = set()
 
     @property
+    def db(self) -> Database:
+        return self._db
+
+    @property
     def owner(self) -> str:
         return self._owner
 
@@ -258,7 +263,7 @@ class RolloutService:
             phases = (await q.phase_counts(tx, [rollout_id]))[rollout_id]
         return RolloutDetail(row, parse_spec(row.spec), state_from_dict(row.state), phases)
 
-    async def list(
+    async def list_rollouts(
         self,
         *,
         limit: int,
@@ -289,7 +294,7 @@ class RolloutService:
             version = await self._version(tx, spec)
             devices, skipped = await self._targets(tx, spec, version)
             ids = [d.id for d in devices]
-            engine.plan_stage_sizes(spec, len(ids))  # SpecError when the sizes cannot add up
+            plan_stage_sizes(spec, len(ids))  # SpecError when the sizes cannot add up
             busy = await q.active_targets(tx, spec.model, ids)
             if busy:
                 listed = ", ".join(f"rollout {r} ({n} device(s))" for r, n in sorted(busy.items()))
@@ -696,14 +701,14 @@ class RolloutService:
         seen: set[tuple[str, ...]] = set()
         for r in live:
             for phase in DevicePhase:
-                labels = (str(r.id), r.model, phase.value)
+                labels: tuple[str, ...] = (str(r.id), r.model, phase.value)
                 self.metrics.devices.labels(*labels).set(phases[r.id].get(phase.value, 0))
                 seen.add(labels)
             for gate in state_from_dict(r.state).gates:
-                labels = (str(r.id), gate.metric.value)
+                gate_labels = (str(r.id), gate.metric.value)
                 if gate.value is not None:
-                    self.metrics.gate_value.labels(*labels).set(gate.value)
-                    seen.add(("gate", *labels))
+                    self.metrics.gate_value.labels(*gate_labels).set(gate.value)
+                    seen.add(("gate", *gate_labels))
         for labels in self._gauged - seen:
             with contextlib.suppress(KeyError):
                 if labels[0] == "gate":
