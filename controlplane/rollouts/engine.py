@@ -36,6 +36,7 @@ reported once per stage.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,6 +52,7 @@ from mcp_edge.controlplane.rollouts.model import (
     DevicePhase,
     DeviceProgress,
     FailAction,
+    GateResult,
     RolloutSpec,
     RolloutState,
     RolloutStatus,
@@ -87,6 +89,7 @@ class CommandError(McpError):
     """An operator's command does not apply to the rollout in its status."""
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _key(model: str, device_id: str) -> str:
     return hashlib.sha256(f"{model}/{device_id}".encode()).hexdigest()
 
@@ -400,6 +403,19 @@ def _move(run: _Run, devs: dict[str, DeviceProgress], ids: Sequence[str], stage:
     run.act(ActionKind.MOVE, ids, stage.mode, _weight(stage))
 
 
+def _gate_detail(r: GateResult) -> dict[str, object]:
+    """A gate's figures for a decision's detail (JSON: a non-finite value is left out)."""
+    value = r.value if r.value is not None and math.isfinite(r.value) else None
+    return {
+        "metric": r.metric.value,
+        "value": value,
+        "threshold": r.threshold,
+        "devices": r.devices,
+        "requests": r.requests,
+        "dry_run": r.dry_run,
+    }
+
+
 def _judge(
     run: _Run, state: RolloutState, mine: list[DeviceProgress], stage: Stage
 ) -> RolloutState:
@@ -415,30 +431,14 @@ def _judge(
         if r.dry_run and r.verdict == "fail" and r.metric not in state.reported_dry_run
     ]
     for r in dry:
-        run.decide(
-            "gate_failed",
-            f"dry run: not acting: {r.reason}",
-            index,
-            metric=r.metric.value,
-            value=r.value,
-            dry_run=True,
-        )
+        run.decide("gate_failed", f"dry run: not acting: {r.reason}", index, **_gate_detail(r))
     if dry:
         state = replace(state, reported_dry_run=state.reported_dry_run | {r.metric for r in dry})
     acting = [r for r in results if not r.dry_run]
     failing = [r for r in acting if r.verdict == "fail"]
     if failing:
         for r in failing:
-            run.decide(
-                "gate_failed",
-                r.reason,
-                index,
-                metric=r.metric.value,
-                value=r.value,
-                threshold=r.threshold,
-                devices=r.devices,
-                requests=r.requests,
-            )
+            run.decide("gate_failed", r.reason, index, **_gate_detail(r))
         on_fail = {g.metric: g.on_fail for g in stage.gates}
         reason = "; ".join(r.reason for r in failing)
         if any(on_fail[r.metric] is FailAction.ROLLBACK for r in failing):
@@ -451,19 +451,12 @@ def _judge(
     open_ = [r for r in acting if r.verdict != "pass"]
     if open_:
         for r in open_:
-            run.decide(
-                "gate_inconclusive",
-                r.reason,
-                index,
-                metric=r.metric.value,
-                devices=r.devices,
-                requests=r.requests,
-            )
+            run.decide("gate_inconclusive", r.reason, index, **_gate_detail(r))
         reason = "; ".join(r.reason for r in open_)
         run.decide("paused", reason, index)
         return replace(state, status=_S.PAUSED, reason=reason)
     for r in acting:
-        run.decide("gate_passed", r.reason, index, metric=r.metric.value, value=r.value)
+        run.decide("gate_passed", r.reason, index, **_gate_detail(r))
     gates = f"its {len(acting)} gate(s) passed" if acting else "it has no gate"
     return _pass_stage(run, state, f"{gates} after a {stage.bake_s:g} s bake")
 

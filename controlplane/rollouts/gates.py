@@ -163,6 +163,8 @@ def _ratio(pairs: Sequence[tuple[int, float]], min_requests: int) -> tuple[float
 
 
 def _side_p95(stats: Sequence[VersionStats], min_requests: int) -> tuple[float | None, int]:
+    if not stats:
+        return None, 0
     clip = clipped([s.requests for s in stats], min_requests)
     total = sum(clip)
     if all(s.latency_counts for s in stats) and len({s.latency_edges_ms for s in stats}) == 1:
