@@ -20,6 +20,12 @@ soon as ``flush_rows`` (500) rows wait: one transaction, one executemany per tab
 ``last_seen_at``/``online`` of the devices heard from. Rows of devices that are not accepted
 (unknown, pending, revoked) are dropped at that point, by one ``SELECT`` per batch.
 
+Inference statistics become one ``inference_stats`` row per model, version and role of the
+report: the role written out (``stable``, ``canary``, ``shadow``; rows from before roles hold
+NULL, read as stable), the latency histogram as ``{"edges_ms": [...], "counts": [...]}`` (NULL
+when the report has none) and a shadow's compared and agreed answers.
+:func:`controlplane.db.telemetry.version_stats` sums them for the rollout gates.
+
 A bad message (not JSON, wrong schema, too large, a payload naming another device, an unknown
 device, a status other than ``online``/``offline``) is counted in
 ``mcp_cp_ingest_dropped_total{reason}`` and dropped with at most one log line per reason every
@@ -368,6 +374,15 @@ class IngestService:
                         "queue_depth": m.queue_depth,
                         "batch_size_avg": m.batch_size_avg,
                         "batch_fill_ratio": m.batch_fill_ratio,
+                        "role": m.role.value,
+                        "latency_hist": {
+                            "edges_ms": m.latency_bucket_edges_ms,
+                            "counts": m.latency_bucket_counts,
+                        }
+                        if m.latency_bucket_counts
+                        else None,
+                        "shadow_compared": m.shadow_compared,
+                        "shadow_agreed": m.shadow_agreed,
                     }
                 )
             return "inference"

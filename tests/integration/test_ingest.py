@@ -14,19 +14,24 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+import sqlalchemy
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
 
 from mcp_edge.controlplane.app import INGEST, create_app
 from mcp_edge.controlplane.bootstrap import initialize
 from mcp_edge.controlplane.broker.base import Credentials
 from mcp_edge.controlplane.broker.dynsec import DynsecProvisioner
+from mcp_edge.controlplane.db import Database
+from mcp_edge.controlplane.db import telemetry as telemetry_q
+from mcp_edge.controlplane.db.models import InferenceStatsRow
 from mcp_edge.controlplane.ingest import IngestConnection, IngestService
 from mcp_edge.controlplane.mqtt import BrokerAddress
 from mcp_edge.controlplane.settings import PasswordCost, Settings
@@ -336,3 +341,131 @@ async def test_retention_expires_and_downsamples_health(fleet: Fleet) -> None:
     kept = [s["ts"] for s in items]
     assert len(kept) == 7
     assert await fleet.ingest.run_retention(now + timedelta(seconds=1)) == (0, 0)
+
+
+# ------------------------------------------------------------------------------ per-role stats
+EDGES = [1.0, 10.0, 100.0]
+T0 = 1_777_000_000.0
+
+
+def stats_row(version: str, count: int, counts: list[int], *, edges: list[float] = EDGES,
+              **extra: Any) -> dict[str, Any]:  # fmt: skip
+    return {"model": "digits", "version": version, "count": count, "errors": 0,
+            "latency_bucket_edges_ms": edges, "latency_bucket_counts": counts, **extra}  # fmt: skip
+
+
+def inference(device_id: str, ts: float, *models: dict[str, Any]) -> bytes:
+    return orjson.dumps({"device_id": device_id, "ts": ts, "window_s": 60.0, "models": models})
+
+
+async def test_inference_stats_per_role_are_stored_and_summed_per_device_version_and_role(
+    fleet: Fleet, database_url: str
+) -> None:
+    for device in ("cam-a", "cam-b", "cam-c"):
+        await fleet.enroll(device)
+    topic = {d: topics.telemetry(d, TelemetryKind.INFERENCE) for d in ("cam-a", "cam-b", "cam-c")}
+    before = await fleet.metrics()
+    reports = [
+        # cam-a: stable and a canary, two windows; plus a window before the span, another
+        # model, and a report whose histogram does not add up (refused by the schema).
+        ("cam-a", inference("cam-a", T0 - 60, stats_row("1.0.0", 1000, [0, 0, 0, 1000]))),
+        ("cam-a", inference(
+            "cam-a", T0,
+            stats_row("1.0.0", 100, [50, 40, 8, 0], errors=2, role="stable",
+                      latency={"p50_ms": 1.0, "p95_ms": 40.0, "p99_ms": 60.0}),
+            stats_row("1.1.0", 20, [10, 8, 0, 0], errors=1, rejections=1, role="canary"),
+            {**stats_row("1.0.0", 7, [7, 0, 0, 0]), "model": "other"},
+        )),
+        ("cam-a", inference(
+            "cam-a", T0 + 60,
+            stats_row("1.0.0", 50, [0, 0, 45, 5]),  # no role: an older agent's, stable
+            stats_row("1.1.0", 10, [0, 10, 0, 0], role="canary"),
+        )),
+        ("cam-a", inference("cam-a", T0 + 90, stats_row("1.0.0", 5, [1, 1, 1, 1]))),
+        # cam-b: a shadow beside stable; its stable histograms have other edges each window.
+        ("cam-b", inference(
+            "cam-b", T0,
+            stats_row("1.0.0", 30, [0, 30, 0, 0], latency={"p50_ms": 5, "p95_ms": 8, "p99_ms": 9}),
+            stats_row("1.1.0", 40, [0, 39, 0, 0], errors=1, role="shadow", shadow_compared=39,
+                      shadow_agreed=35),
+        )),
+        ("cam-b", inference(
+            "cam-b", T0 + 60,
+            stats_row("1.0.0", 10, [5, 5, 0], edges=[2.0, 20.0],
+                      latency={"p50_ms": 2, "p95_ms": 15, "p99_ms": 19}),
+            stats_row("1.1.0", 10, [0, 10, 0, 0], role="shadow", shadow_compared=10,
+                      shadow_agreed=10),
+        )),
+        # The span ends before this one, and cam-c is not asked about.
+        ("cam-b", inference("cam-b", T0 + 120, stats_row("1.0.0", 9, [9, 0, 0, 0]))),
+        ("cam-c", inference("cam-c", T0, stats_row("1.0.0", 9, [9, 0, 0, 0]))),
+    ]  # fmt: skip
+    for device, payload in reports:
+        fleet.ingest.handle(topic[device], payload)
+    await fleet.ingest.flush()
+    m = await fleet.metrics()
+    assert (
+        m[("mcp_cp_ingest_dropped_total", "schema")]
+        - before.get(("mcp_cp_ingest_dropped_total", "schema"), 0.0)
+        == 1
+    )
+
+    db = Database(database_url)
+    try:
+        async with db.transaction() as tx:
+            # A row stored before roles (0007): role, histogram and shadow counters NULL.
+            await telemetry_q.insert_inference(tx, [{
+                "device_id": "cam-b", "ts": datetime.fromtimestamp(T0 + 30, timezone.utc),
+                "window_s": 60.0, "model": "digits", "version": "1.0.0", "count": 20,
+                "errors": 1, "rejections": 0, "p95_ms": 20.0, "queue_depth": 0,
+            }])  # fmt: skip
+        statements: list[str] = []
+
+        def seen(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            statements.append(statement)
+
+        sqlalchemy.event.listen(db.engine.sync_engine, "before_cursor_execute", seen)
+        asked = ["cam-a", "cam-b", *(f"cam-{i}" for i in range(1200))]
+        span = (datetime.fromtimestamp(T0, timezone.utc),
+                datetime.fromtimestamp(T0 + 120, timezone.utc))  # fmt: skip
+        async with db.read() as tx:
+            got = await telemetry_q.version_stats(tx, asked, "digits", *span)
+        sqlalchemy.event.remove(db.engine.sync_engine, "before_cursor_execute", seen)
+        # The stored rows: role written out, the histogram as {"edges_ms", "counts"}.
+        async with db.read() as tx:
+            stored = (await tx.execute(
+                select(InferenceStatsRow.role, InferenceStatsRow.latency_hist,
+                       InferenceStatsRow.shadow_agreed)
+                .where(InferenceStatsRow.device_id == "cam-b", InferenceStatsRow.role == "shadow")
+                .order_by(InferenceStatsRow.ts)
+            )).all()  # fmt: skip
+    finally:
+        await db.dispose()
+    selects = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
+    assert len(selects) == 1  # 1202 devices, one SELECT
+    assert [tuple(r) for r in stored] == [
+        ("shadow", {"edges_ms": EDGES, "counts": [0, 39, 0, 0]}, 35),
+        ("shadow", {"edges_ms": EDGES, "counts": [0, 10, 0, 0]}, 10),
+    ]
+    assert set(got) == {("cam-a", "1.0.0", "stable"), ("cam-a", "1.1.0", "canary"),
+                        ("cam-b", "1.0.0", "stable"), ("cam-b", "1.1.0", "shadow")}  # fmt: skip
+    # Merged histograms with the same edges: p95 is the upper edge of its bucket.
+    stable_a = got["cam-a", "1.0.0", "stable"]
+    assert (stable_a.requests, stable_a.errors) == (150, 2)
+    assert stable_a.latency_edges_ms == tuple(EDGES)
+    assert stable_a.latency_counts == (50, 40, 53, 5)
+    assert stable_a.p95_ms == 100.0  # the 141st of 148 falls in (10, 100]
+    canary_a = got["cam-a", "1.1.0", "canary"]
+    assert (canary_a.requests, canary_a.errors, canary_a.latency_counts) == (30, 1, (10, 18, 0, 0))
+    assert canary_a.p95_ms == 10.0 and canary_a.shadow_compared == 0
+    # Other edges, and a row without a histogram: the requests-weighted mean of the rows' p95.
+    stable_b = got["cam-b", "1.0.0", "stable"]
+    assert (stable_b.requests, stable_b.errors) == (60, 1)
+    assert stable_b.latency_edges_ms == () and stable_b.latency_counts == ()
+    assert stable_b.p95_ms == pytest.approx((30 * 8 + 20 * 20 + 10 * 15) / 60)
+    shadow_b = got["cam-b", "1.1.0", "shadow"]
+    assert (shadow_b.requests, shadow_b.errors) == (50, 1)
+    assert (shadow_b.shadow_compared, shadow_b.shadow_agreed) == (49, 45)
+    assert shadow_b.latency_counts == (0, 49, 0, 0) and shadow_b.p95_ms == 10.0
+    async with fleet.cp.client.get("/healthz") as response:
+        assert response.status == 200
