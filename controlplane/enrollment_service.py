@@ -15,6 +15,18 @@ another kind of broker account holds (a control-plane service, an application) l
 committed either: not the device, not the token use. A device accepted (by enrollment or by
 approval) then gets the standing group and label deployments that select it.
 
+Enrollments are carried out in groups, as a database commits in groups: requests that arrive
+together (within ``batch_window_s`` of the first, or while the group before is being carried
+out; at most ``max_batch``) share one nonce transaction and one decision transaction, in which
+each request's changes sit in a savepoint of their own and every accepted device's broker
+account is provisioned at once (the provisioner merges those into few broker messages). Each
+request still gets its own answer or error: a refusal or conflict undoes only that request's
+savepoint; a broker that refuses one account rolls the whole transaction back, that request
+fails, and the others are carried out again without it, so nothing of the refused request
+and everything of the others is committed. Two requests for one key or one device id never
+share a group (the second waits for the next). The answer goes out only once the group has
+committed and the broker has confirmed the account, so a device can connect at once.
+
 Errors (all :class:`EnrollmentError`, by who is at fault; the REST layer maps them to HTTP in
 one place, :mod:`controlplane.api.common`)::
 
@@ -33,8 +45,11 @@ seen before), :class:`~shared.errors.MessageError` and :class:`~shared.errors.Ex
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
@@ -46,10 +61,11 @@ from mcp_edge.controlplane.broker.base import (
     BrokerProvisioner,
     Credentials,
 )
-from mcp_edge.controlplane.db import Database, DatabaseError, Tx
+from mcp_edge.controlplane.db import ConflictError, Database, DatabaseError, NotFoundError, Tx
 from mcp_edge.controlplane.db import devices as device_q
 from mcp_edge.controlplane.db import enrollment as token_q
 from mcp_edge.controlplane.db.devices import DeviceView
+from mcp_edge.controlplane.db.engine import savepoint
 from mcp_edge.controlplane.db.models import EnrollmentToken
 from mcp_edge.controlplane.enrollment import (
     Action,
@@ -80,6 +96,11 @@ from mcp_edge.shared.protocol.topics import PREFIX
 log = logging.getLogger("mcp.controlplane.enroll")
 
 Clock = Callable[[], datetime]
+
+BATCH_WINDOW_S = 0.005
+"""How long the first enrollment of a group waits for others to join it (seconds)."""
+MAX_BATCH = 32
+"""The most enrollments one group carries."""
 
 
 class TrustSource(Protocol):
@@ -149,10 +170,57 @@ def _verify(envelope: object, now: datetime) -> EnrollmentRequest:
         raise EnrollmentSignatureError(f"enrollment signature does not verify: {e}") from e
 
 
+@dataclass
+class _Job:
+    """One enrollment request waiting in the queue, and the future its answer goes to."""
+
+    req: EnrollmentRequest
+    force: bool
+    now: datetime
+    future: asyncio.Future[EnrollmentAnswer]
+
+    @property
+    def claims(self) -> frozenset[str]:
+        """What two requests in one group must not share: the key, the device id asked for."""
+        key = self.req.public_key
+        return frozenset({"key:" + key, "id:" + (self.req.device_id or default_device_id(key))})
+
+    def fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
+@dataclass
+class _Staged:
+    """A request's changes, made in its savepoint, waiting for the broker and the commit."""
+
+    job: _Job
+    decision: Plan
+    view: DeviceView
+
+
+@dataclass
+class _BrokerRefused(Exception):
+    """Some accounts of a group were refused: raised inside the group's transaction to roll it
+    back; ``failures`` fail, ``others`` are carried out again."""
+
+    failures: list[tuple[_Job, Exception]]
+    others: list[_Job]
+
+
+@dataclass
+class _Group:
+    """What the decision transaction of one group found (its token lookups are cached)."""
+
+    tokens: dict[str, EnrollmentToken | None] = field(default_factory=dict)
+
+
 class EnrollmentService:
     """Enrollment and the operator's decisions on devices; one per control-plane process.
 
     ``deployments`` None: accepted devices get no standing deployments (nothing deploys).
+    ``batch_window_s`` and ``max_batch`` shape the groups enrollments are carried out in (see
+    the module docstring).
     """
 
     def __init__(
@@ -164,7 +232,12 @@ class EnrollmentService:
         clock: Clock,
         metrics: ControlPlaneMetrics,
         deployments: StandingDeployments | None = None,
+        *,
+        batch_window_s: float = BATCH_WINDOW_S,
+        max_batch: int = MAX_BATCH,
     ) -> None:
+        if max_batch < 1 or batch_window_s < 0:
+            raise ValueError("max_batch must be >= 1 and batch_window_s >= 0")
         self._db = db
         self._provisioner = provisioner
         self._trust = trust
@@ -172,6 +245,12 @@ class EnrollmentService:
         self._clock = clock
         self._outcomes = metrics.enrollments
         self._deployments = deployments
+        self._window_s = batch_window_s
+        self._max_batch = max_batch
+        self._queue: deque[_Job] = deque()
+        self._runner: asyncio.Task[None] | None = None
+        self.groups_run = 0
+        """Decision transactions run so far (one per group, plus one per broker refusal)."""
 
     # ------------------------------------------------------------------ enrollment
     def count_unreadable(self) -> None:
@@ -190,13 +269,7 @@ class EnrollmentService:
         try:
             now = self._clock()
             req = _verify(envelope, now)
-            async with self._db.transaction() as tx:
-                fresh = await token_q.remember_nonce(
-                    tx, req.nonce, now=now, expires_at=now + nonce_retention()
-                )
-            if not fresh:
-                raise ReplayError("enrollment request replayed: its nonce was seen before")
-            answer = await self._decide_and_apply(req, force, now)
+            answer = await self._submit(req, force, now)
         except EnrollmentRefusedError as e:
             self._outcomes.labels(e.refusal.value).inc()
             log.info("enrollment refused: %s", e)
@@ -207,52 +280,172 @@ class EnrollmentService:
         except (InvalidEnrollmentError, EnrollmentSignatureError, EnrollmentConflictError):
             self._outcomes.labels("invalid").inc()
             raise
-        if answer.status is EnrollmentStatus.ACCEPTED:
-            await self._apply_standing_deployments(answer.device_id)
         return answer
 
-    async def _decide_and_apply(
-        self, req: EnrollmentRequest, force: bool, now: datetime
-    ) -> EnrollmentAnswer:
+    async def _submit(self, req: EnrollmentRequest, force: bool, now: datetime) -> EnrollmentAnswer:
+        """Queue the request and wait for its group to be carried out."""
+        loop = asyncio.get_running_loop()
+        job = _Job(req, force, now, loop.create_future())
+        self._queue.append(job)
+        if self._runner is None or self._runner.done():
+            self._runner = loop.create_task(self._run(), name="enrollment-groups")
+        return await job.future
+
+    async def _run(self) -> None:
+        """Carry out groups until the queue is empty. A burst arriving at an idle service waits
+        ``batch_window_s`` to gather; requests that arrive during a group form the next."""
+        if self._window_s > 0 and len(self._queue) < self._max_batch:
+            await asyncio.sleep(self._window_s)
+        while self._queue:
+            jobs = self._take_group()
+            if not jobs:
+                continue
+            try:
+                await self._run_group(jobs)
+            except Exception as e:  # a database or trust failure: every request of the group
+                log.warning("enrollment of %d devices failed: %s", len(jobs), e)
+                for job in jobs:
+                    job.fail(e)
+            except BaseException:
+                for job in jobs:
+                    job.future.cancel()
+                raise
+
+    def _take_group(self) -> list[_Job]:
+        """Up to ``max_batch`` queued requests, no two with a claim in common; a request that
+        shares one with an earlier request stays queued, in order, for the next group."""
+        group: list[_Job] = []
+        later: list[_Job] = []
+        claimed: set[str] = set()
+        while self._queue and len(group) < self._max_batch:
+            job = self._queue.popleft()
+            if job.future.done():  # its caller went away
+                continue
+            if job.claims & claimed:
+                later.append(job)
+                continue
+            claimed |= job.claims
+            group.append(job)
+        self._queue.extendleft(reversed(later))
+        return group
+
+    async def _run_group(self, jobs: list[_Job]) -> None:
+        group = await self._remember_nonces(jobs)
+        while group:
+            try:
+                staged, credentials = await self._decide_group(group)
+                break
+            except _BrokerRefused as refused:
+                for job, error in refused.failures:
+                    job.fail(error)
+                group = refused.others
+        else:
+            return
+        trust = await self._trust.trust_root() if credentials else None
+        answers = [(s, self._answer(s, credentials.get(s.view.id), trust)) for s in staged]
+        for s, _ in answers:
+            if s.view.status == DeviceStatus.ACCEPTED.value:
+                await self._apply_standing_deployments(s.view.id)
+        for s, answer in answers:
+            if not s.job.future.done():
+                s.job.future.set_result(answer)
+
+    async def _remember_nonces(self, jobs: Sequence[_Job]) -> list[_Job]:
+        """Commit the nonces of ``jobs`` on their own, first; fail the replays and return the
+        others (of two requests with one nonce in a group, the second is a replay)."""
+        now = max(job.now for job in jobs)
         async with self._db.transaction() as tx:
-            existing = await device_q.get_device_by_key(tx, req.public_key, lock=True)
-            token = None
-            if existing is None:
-                found = await token_q.find_token(tx, secret_digest(req.token))
-                token = token_facts(found) if found is not None else None
-            decision = plan(
-                existing=DeviceStatus(existing.status) if existing else None,
-                token=token,
-                manual_policy=self._settings.enrollment_approval is EnrollmentApproval.MANUAL,
-                force=force,
-                now=now,
+            fresh = await token_q.remember_nonces(
+                tx, [job.req.nonce for job in jobs], now=now, expires_at=now + nonce_retention()
             )
-            if decision.action is Action.REFUSE:
-                assert decision.refusal is not None
-                raise EnrollmentRefusedError(decision.refusal)
-            if decision.action is Action.CREATE:
-                view = await self._create(tx, req, decision, now)
-            elif decision.action in (Action.ACCEPT_PREAUTHORIZED, Action.REENROLL):
-                assert existing is not None
-                view = await self._refresh(tx, existing, req, decision, now)
+        first: list[_Job] = []
+        for job in jobs:
+            if job.req.nonce in fresh:
+                fresh.discard(job.req.nonce)
+                first.append(job)
             else:
-                assert existing is not None
-                view = existing
-            broker = None
-            if view.status == DeviceStatus.ACCEPTED.value:
-                creds = await self._provision(view.id, decision)
-                broker = BrokerCredentials(
-                    urls=list(self._settings.broker_urls),
-                    username=creds.username,
-                    password=creds.password,
-                    client_id=creds.client_id,
-                )
+                job.fail(ReplayError("enrollment request replayed: its nonce was seen before"))
+        return first
+
+    async def _decide_group(
+        self, jobs: Sequence[_Job]
+    ) -> tuple[list[_Staged], dict[str, Credentials]]:
+        """One transaction: each request's decision and changes in its savepoint, then every
+        accepted device's broker account; committed only when the broker took them all.
+
+        A request refused or in conflict fails on its own; raises :class:`_BrokerRefused` (after
+        the rollback) when the broker refused some accounts.
+        """
+        self.groups_run += 1
+        staged: list[_Staged] = []
+        credentials: dict[str, Credentials] = {}
+        found = _Group()
+        async with self._db.transaction() as tx:
+            for job in jobs:
+                try:
+                    async with savepoint(tx):
+                        staged.append(await self._stage(tx, job, found))
+                except (EnrollmentError, ConflictError, NotFoundError) as e:
+                    job.fail(e)
+            accepted = [s for s in staged if s.view.status == DeviceStatus.ACCEPTED.value]
+            results = await asyncio.gather(
+                *(self._provision(s.view.id, s.decision) for s in accepted),
+                return_exceptions=True,
+            )
+            failures: list[tuple[_Job, Exception]] = []
+            for s, result in zip(accepted, results, strict=True):
+                if isinstance(result, Credentials):
+                    credentials[s.view.id] = result
+                elif isinstance(result, Exception):
+                    failures.append((s.job, result))
+                else:
+                    raise result
+            if failures:
+                failed = {id(job) for job, _ in failures}
+                others = [s.job for s in staged if id(s.job) not in failed]
+                raise _BrokerRefused(failures, others)
+        return staged, credentials
+
+    async def _stage(self, tx: Tx, job: _Job, found: _Group) -> _Staged:
+        req, now = job.req, job.now
+        existing = await device_q.get_device_by_key(tx, req.public_key, lock=True)
+        token = None
+        if existing is None:
+            digest = secret_digest(req.token)
+            if digest not in found.tokens:
+                found.tokens[digest] = await token_q.find_token(tx, digest)
+            token = found.tokens[digest]
+        decision = plan(
+            existing=DeviceStatus(existing.status) if existing else None,
+            token=token_facts(token) if token is not None else None,
+            manual_policy=self._settings.enrollment_approval is EnrollmentApproval.MANUAL,
+            force=job.force,
+            now=now,
+        )
+        if decision.action is Action.REFUSE:
+            assert decision.refusal is not None
+            raise EnrollmentRefusedError(decision.refusal)
+        if decision.action is Action.CREATE:
+            assert token is not None
+            view = await self._create(tx, req, decision, now, token)
+        elif decision.action in (Action.ACCEPT_PREAUTHORIZED, Action.REENROLL):
+            assert existing is not None
+            view = await self._refresh(tx, existing, req, decision, now)
+        else:
+            assert existing is not None
+            view = existing
+        return _Staged(job, decision, view)
+
+    def _answer(
+        self, staged: _Staged, creds: Credentials | None, trust: TrustRoot | None
+    ) -> EnrollmentAnswer:
+        decision, view = staged.decision, staged.view
         outcome = "unchanged" if decision.action is Action.UNCHANGED else view.status
         if decision.action is Action.REENROLL:
             outcome = "reenrolled"
         self._outcomes.labels(outcome).inc()
         log.info("enrollment of %s: %s", view.id, outcome)
-        if broker is None:
+        if creds is None:
             return EnrollmentAnswer(
                 status=EnrollmentStatus.PENDING,
                 device_id=view.id,
@@ -268,16 +461,20 @@ class EnrollmentService:
             status=EnrollmentStatus.ACCEPTED,
             device_id=view.id,
             topic_prefix=PREFIX,
-            broker=broker,
-            trust=await self._trust.trust_root(),
+            broker=BrokerCredentials(
+                urls=list(self._settings.broker_urls),
+                username=creds.username,
+                password=creds.password,
+                client_id=creds.client_id,
+            ),
+            trust=trust,
             message=message,
         )
 
     async def _create(
-        self, tx: Tx, req: EnrollmentRequest, decision: Plan, now: datetime
+        self, tx: Tx, req: EnrollmentRequest, decision: Plan, now: datetime, token: EnrollmentToken
     ) -> DeviceView:
-        token = await token_q.find_token(tx, secret_digest(req.token))
-        assert token is not None and decision.status is not None
+        assert decision.status is not None
         if not await token_q.consume_token_use(tx, token.id, now):
             # another device took the last use
             raise EnrollmentRefusedError(Refusal.TOKEN_USED_UP)

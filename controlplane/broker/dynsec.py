@@ -3,10 +3,19 @@
 :class:`DynsecProvisioner` implements :class:`~controlplane.broker.base.BrokerProvisioner` with
 one admin session of the one MQTT adapter (:class:`mcp_edge.shared.mqtt.Session`: paho on the
 event loop, no paho thread; reconnected with :data:`controlplane.mqtt.CP_RECONNECT`). Each call
-publishes one batch of commands to ``$CONTROL/dynamic-security/v1``; Mosquitto runs a batch in
-one go and answers on ``.../response`` with one result per command, matched here, inside the
-read that brought the answer, by each command's ``correlationData``. The commands themselves
+hands its commands to a :class:`~controlplane.broker.batching.CommandBatcher`, which merges the
+commands of concurrent calls into one message to ``$CONTROL/dynamic-security/v1`` per short
+window (one message in flight at a time); Mosquitto runs a message in one go and answers on
+``.../response`` with one result per command, matched, inside the read that brought the
+answer, by each command's ``correlationData``, so every call gets its own answers and a command
+that fails fails only its call. A device account costs two round trips (a probe, then the
+change), shared with every account provisioned in the same windows. The commands themselves
 are built by the pure :mod:`controlplane.broker.acl`.
+
+Mosquitto 2.0.x writes its whole ``dynamic-security.json`` after every command that changes
+something (2.1: once per message), so on 2.0 the broker's cost of one new account (a role and
+a client: two rewrites) grows with the number of accounts; batching saves round trips there,
+not rewrites.
 
 Every refusal, timeout, lost connection or MQTT error reaches the caller as
 :class:`~controlplane.broker.base.BrokerAdminError` (chained to the adapter's
@@ -18,14 +27,10 @@ in the background; calls waiting then fail at once, and calls made meanwhile too
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import secrets
 import ssl
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 from mcp_edge.controlplane.broker.acl import (
     DEFAULT_FLEET_SHARE_GROUP,
@@ -42,6 +47,7 @@ from mcp_edge.controlplane.broker.acl import (
     usernames_bound_to,
 )
 from mcp_edge.controlplane.broker.base import AccountConflictError, BrokerAdminError, Credentials
+from mcp_edge.controlplane.broker.batching import Command, CommandBatcher
 from mcp_edge.controlplane.mqtt import CP_RECONNECT
 from mcp_edge.shared.mqtt import (
     RETAIN_DO_NOT_SEND,
@@ -63,25 +69,24 @@ CLIENT_NOT_FOUND = "Client not found"
 ROLE_NOT_FOUND = "Role not found"
 ROLE_EXISTS = "Role already exists"
 
-Command = dict[str, Any]
+BATCH_WINDOW_S = 0.005
+"""How long the first command of a message waits for others to join it (seconds)."""
+MAX_BATCH_COMMANDS = 256
+"""The most commands one message carries."""
+
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Batch:  # a published batch waiting for its answers, by command index
-    future: asyncio.Future[list[Command]]
-    size: int
-    answers: dict[int, Command] = field(default_factory=dict)
 
 
 class DynsecProvisioner:
     """Creates, disables and deletes broker accounts through the dynamic-security plugin.
 
     Use as ``async with DynsecProvisioner(host, port, user, password) as provisioner:``; the
-    context owns the admin connection. ``timeout_s`` bounds the TCP connect, the login and each
-    command batch (seconds). ``fleet_share_group`` is the share group devices may use for
-    fleet inference requests; ``ssl_context`` turns on TLS; ``reconnect`` paces the admin
-    session's reconnects after a loss.
+    context owns the admin connection. ``timeout_s`` bounds the TCP connect, the login, and the
+    answer to each call's commands (seconds; a message carrying the commands of n calls gets
+    n times that). ``batch_window_s`` and ``max_batch_commands`` shape the messages (see
+    :mod:`controlplane.broker.batching`). ``fleet_share_group`` is the share group devices may
+    use for fleet inference requests; ``ssl_context`` turns on TLS; ``reconnect`` paces the
+    admin session's reconnects after a loss.
     """
 
     def __init__(
@@ -96,10 +101,11 @@ class DynsecProvisioner:
         fleet_share_group: str = DEFAULT_FLEET_SHARE_GROUP,
         ssl_context: ssl.SSLContext | None = None,
         reconnect: ReconnectPolicy = CP_RECONNECT,
+        batch_window_s: float = BATCH_WINDOW_S,
+        max_batch_commands: int = MAX_BATCH_COMMANDS,
     ) -> None:
         self._where = f"{host}:{port}"
         self._admin_username = admin_username
-        self._timeout_s = timeout_s
         self._share_group = fleet_share_group
         # Admin accounts are not bound to a client id; a random suffix lets replicas share one.
         # Commands carry new passwords: give ``ssl_context`` when the broker is off the host.
@@ -113,7 +119,13 @@ class DynsecProvisioner:
         self._session = Session(
             self._client, name="broker-admin", policy=reconnect, on_down=self._connection_lost
         )
-        self._batches: dict[str, _Batch] = {}
+        self._batcher = CommandBatcher(
+            lambda payload: self._client.send(COMMAND_TOPIC, payload),
+            timeout_s=timeout_s,
+            window_s=batch_window_s,
+            max_commands=max_batch_commands,
+            where=self._where,
+        )
         self._started = False
         self._closed = False
 
@@ -180,6 +192,17 @@ class DynsecProvisioner:
             await self._session.wait_up(timeout_s)
         except MqttError as e:
             raise BrokerAdminError(f"no admin session to {self._where} within {timeout_s} s") from e
+
+    @property
+    def messages_sent(self) -> int:
+        """Command messages published to the plugin so far (each carries many calls'
+        commands when calls overlap)."""
+        return self._batcher.messages_sent
+
+    @property
+    def commands_sent(self) -> int:
+        """Commands those messages carried."""
+        return self._batcher.commands_sent
 
     @property
     def tcp_nodelay(self) -> bool:
@@ -253,21 +276,24 @@ class DynsecProvisioner:
         # Any account may take over the session of another that uses the same client id, so
         # refuse a client id that another kind of account is already bound to.
         others = [u for u in usernames_bound_to(spec.client_id) if u != spec.username]
-        probes = [{"command": "getClient", "username": u} for u in others]
+        probes = [{"command": "getClient", "username": u} for u in [*others, spec.username]]
         answers = await self._execute(
             [*probes, {"command": "getRole", "rolename": spec.role}],
             tolerate={CLIENT_NOT_FOUND, ROLE_NOT_FOUND},
         )
-        for username, answer in zip(others, answers[:-1], strict=True):
+        for username, answer in zip(others, answers, strict=False):
             if "error" not in answer:
                 raise AccountConflictError(spec.client_id, username)
+        exists = "error" not in answers[len(others)]
         try:
             current = None if "error" in answers[-1] else _role_acls(answers[-1])
         except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise BrokerAdminError(f"unexpected getRole answer from the broker: {e!r}") from e
         password = secrets.token_urlsafe(32)
+        # A new account needs no delete: Mosquitto 2.0 rewrites its file for every change.
+        reset = reset_client_commands(spec, password)[0 if exists else 1 :]
         await self._execute(
-            [*role_commands(spec, current), *reset_client_commands(spec, password)],
+            [*role_commands(spec, current), *reset],
             tolerate={CLIENT_NOT_FOUND, ROLE_EXISTS},
         )
         _log.info("broker account %s provisioned (client id %s)", spec.username, spec.client_id)
@@ -276,35 +302,18 @@ class DynsecProvisioner:
     async def _execute(
         self, commands: Sequence[Command], *, tolerate: Collection[str] = ()
     ) -> list[Command]:
-        """Send ``commands`` as one batch; return one answer per command, in order.
+        """Send ``commands`` (merged with other calls' into the next message); return one
+        answer per command, in order.
 
         Raises:
             BrokerAdminError: not connected, paho refused the publish, no complete answer
-                within ``timeout_s``, or an answer carries an error not in ``tolerate``.
+                in time, or an answer carries an error not in ``tolerate``.
         """
         if not self._started or self._closed:
             raise BrokerAdminError("the broker provisioner is not started")
         if not self._session.up:
             raise BrokerAdminError(f"not connected to the broker at {self._where}")
-        batch_id = secrets.token_hex(8)
-        tagged = [{**c, "correlationData": f"{batch_id}:{i}"} for i, c in enumerate(commands)]
-        batch = _Batch(asyncio.get_running_loop().create_future(), len(tagged))
-        self._batches[batch_id] = batch
-        names = ", ".join(c["command"] for c in commands)
-        try:
-            # QoS 0: the answer is the acknowledgement, and no command lingers in a queue to be
-            # replayed after a reconnect.
-            self._client.send(COMMAND_TOPIC, json.dumps({"commands": tagged}).encode())
-            answers = await asyncio.wait_for(batch.future, self._timeout_s)
-        except asyncio.TimeoutError as e:
-            raise BrokerAdminError(
-                f"the broker at {self._where} did not answer dynsec {names} within "
-                f"{self._timeout_s} s"
-            ) from e
-        except MqttError as e:  # not connected, or the message cannot be sent
-            raise BrokerAdminError(f"cannot send dynsec {names}: {e}") from e
-        finally:
-            self._batches.pop(batch_id, None)
+        answers = await self._batcher.run(commands)
         for command, answer in zip(commands, answers, strict=True):
             error = answer.get("error")
             if error is not None and error not in tolerate:
@@ -316,7 +325,7 @@ class DynsecProvisioner:
 
     def _on_message(self, message: InboundMessage) -> None:
         if message.topic == RESPONSE_TOPIC:
-            self._take_answers(message.payload)
+            self._batcher.take_answers(message.payload)
 
     def _connection_lost(self, reason: str) -> None:
         self._fail_all(
@@ -324,24 +333,7 @@ class DynsecProvisioner:
         )
 
     def _fail_all(self, error: BrokerAdminError) -> None:
-        for batch in self._batches.values():
-            if not batch.future.done():
-                batch.future.set_exception(error)
-
-    def _take_answers(self, payload: bytes) -> None:
-        try:
-            for answer in json.loads(payload)["responses"]:
-                batch_id, _, index = str(answer.get("correlationData", "")).partition(":")
-                batch = self._batches.get(batch_id)
-                # No batch: the answer to one that timed out.
-                if batch is None or batch.future.done() or not index.isdigit():
-                    continue
-                if int(index) < batch.size:
-                    batch.answers[int(index)] = answer
-                if len(batch.answers) == batch.size:
-                    batch.future.set_result([batch.answers[i] for i in range(batch.size)])
-        except (ValueError, KeyError, TypeError, AttributeError):
-            _log.warning("dropped a malformed dynsec answer (%d bytes)", len(payload))
+        self._batcher.fail_all(error)
 
 
 def _role_acls(answer: Command) -> set[AclKey]:

@@ -124,29 +124,33 @@ async def insert_device(
     enrollment_token_id: int | None = None,
     accepted_at: datetime | None = None,
 ) -> DeviceView:
-    """Insert a device and its labels. A duplicate id or public key surfaces as
-    :class:`controlplane.db.errors.ConflictError` when the transaction ends."""
-    tx.add(
-        Device(
-            id=device_id,
-            public_key=public_key,
-            status=status,
-            profile=profile,
-            group_name=group_name,
-            facts=dict(facts or {}),
-            agent_version=agent_version,
-            enrollment_token_id=enrollment_token_id,
-            online=False,
-            created_at=now,
-            updated_at=now,
-            accepted_at=accepted_at,
-        )
+    """Insert a device and its labels (one INSERT each, no read back). A duplicate id or public
+    key surfaces as :class:`controlplane.db.errors.ConflictError` when the transaction ends."""
+    device = Device(
+        id=device_id,
+        public_key=public_key,
+        status=status,
+        profile=profile,
+        group_name=group_name,
+        facts=dict(facts or {}),
+        agent_version=agent_version,
+        enrollment_token_id=enrollment_token_id,
+        online=False,
+        last_seen_at=None,
+        created_at=now,
+        updated_at=now,
+        accepted_at=accepted_at,
+        revoked_at=None,
     )
+    tx.add(device)
     await tx.flush()
-    await replace_labels(tx, device_id, labels or {})
-    view = await get_device(tx, device_id)
-    assert view is not None
-    return view
+    labels = dict(labels or {})
+    if labels:
+        await tx.execute(
+            insert(DeviceLabel),
+            [{"device_id": device_id, "key": k, "value": v} for k, v in labels.items()],
+        )
+    return _view(device, dict(sorted(labels.items())))
 
 
 async def update_device(tx: Tx, device_id: str, *, now: datetime, **fields: Any) -> DeviceView:

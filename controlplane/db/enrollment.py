@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 
 from sqlalchemy import delete, or_, select, update
@@ -98,12 +98,26 @@ async def remember_nonce(tx: Tx, nonce: str, *, now: datetime, expires_at: datet
 
     Expired nonces are purged first, so the table holds at most one retention window.
     """
+    return nonce in await remember_nonces(tx, [nonce], now=now, expires_at=expires_at)
+
+
+async def remember_nonces(
+    tx: Tx, nonces: Sequence[str], *, now: datetime, expires_at: datetime
+) -> set[str]:
+    """Record every nonce of ``nonces`` until ``expires_at`` in one statement; return those
+    recorded now (the others were seen before: replays; a nonce listed twice is recorded once).
+
+    Expired nonces are purged first (one indexed DELETE), so the table holds at most one
+    retention window whatever the number of enrollments.
+    """
     await tx.execute(delete(EnrollmentNonce).where(EnrollmentNonce.expires_at < now))
+    if not nonces:
+        return set()
     make_insert = pg_insert if tx.get_bind().dialect.name == "postgresql" else sqlite_insert
     statement = (
         make_insert(EnrollmentNonce)
-        .values(nonce=nonce, expires_at=expires_at)
+        .values([{"nonce": n, "expires_at": expires_at} for n in dict.fromkeys(nonces)])
         .on_conflict_do_nothing(index_elements=["nonce"])
         .returning(EnrollmentNonce.nonce)
     )
-    return (await tx.execute(statement)).first() is not None
+    return {row[0] for row in await tx.execute(statement)}
