@@ -404,7 +404,7 @@ async def failed_versions(
             .where(
                 DeploymentEventRow.model == model,
                 DeploymentEventRow.outcome == "error",
-                DeploymentEventRow.ts >= since,
+                DeploymentEventRow.received_at >= since,
                 DeploymentEventRow.message.not_like("%; retrying in %"),
                 DeploymentEventRow.device_id.in_(list(chunk)),
             )
