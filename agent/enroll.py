@@ -4,14 +4,18 @@ The agent detects its hardware, creates its Ed25519 key once, and POSTs a signed
 request to ``{server}/api/v1/enroll``. The answer (device id, broker URLs and credentials,
 trust root) is stored atomically with mode 0600. Re-running on an enrolled device changes
 nothing unless ``force`` is set; a pending answer can be waited on (each poll is a fresh,
-freshly signed request, so no request is ever replayed).
+freshly signed request, so no request is ever replayed). A ``503`` answer (the control plane's
+database or broker is unavailable; nothing changed there) is asked again, with a fresh request,
+after a growing, jittered pause (``retries`` times at most), so a fleet that enrolls at once
+spreads out instead of failing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+import random
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,8 +40,25 @@ class EnrollError(McpError):
     """The control plane refused the enrollment or could not be reached."""
 
 
+class ServerUnavailableError(EnrollError):
+    """The control plane answered 503: its database or broker is unavailable and nothing
+    changed; the same enrollment may be asked again later."""
+
+
 class AlreadyEnrolled(McpError):
     """This device is enrolled already (use force to enroll again)."""
+
+
+RETRIES = 6
+RETRY_S = 0.5
+RETRY_MAX_S = 15.0
+
+
+def retry_delay_s(attempt: int, *, base_s: float = RETRY_S, cap_s: float = RETRY_MAX_S) -> float:
+    """The pause before retry number ``attempt`` (1, 2, ...) after a 503: ``base_s`` doubled per
+    attempt up to ``cap_s``, times a random factor in [0.5, 1) so devices refused together do
+    not come back together (seconds)."""
+    return float(min(cap_s, base_s * 2.0 ** (attempt - 1)) * (0.5 + random.random() / 2))
 
 
 def _utcnow() -> datetime:
@@ -58,11 +79,18 @@ async def enroll(
     poll_s: float = 5.0,
     clock: Callable[[], datetime] = _utcnow,
     timeout_s: float = 30.0,
+    retries: int = RETRIES,
+    retry_s: float = RETRY_S,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> EnrollmentAnswer:
     """Enroll with ``server``; return the stored answer.
 
+    ``timeout_s`` bounds each request (seconds); a 503 answer is retried ``retries`` times at
+    most, after :func:`retry_delay_s` of ``retry_s`` (``sleep`` waits).
+
     Raises :class:`AlreadyEnrolled` (enrolled and not ``force``), :class:`EnrollError`
-    (refused, unreachable, or still pending after ``wait_s``).
+    (refused, unreachable, or still pending after ``wait_s``), :class:`ServerUnavailableError`
+    (503 after every retry).
     """
     existing = load_enrollment(state_dir)
     if existing is not None and existing.answer.status is EnrollmentStatus.ACCEPTED and not force:
@@ -73,6 +101,7 @@ async def enroll(
     key = load_or_create_device_key(state_dir)
     base = server.rstrip("/")
     deadline = asyncio.get_running_loop().time() + wait_s
+    refused = 0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
         while True:
             request = EnrollmentRequest(
@@ -86,7 +115,16 @@ async def enroll(
                 facts=dict(facts),
                 agent_version=__version__,
             )
-            answer = await _post(http, base, sign_enrollment(request, key), force)
+            try:
+                answer = await _post(http, base, sign_enrollment(request, key), force)
+            except ServerUnavailableError as e:
+                refused += 1
+                if refused > retries:
+                    raise
+                delay = retry_delay_s(refused, base_s=retry_s)
+                log.warning("%s; asking again in %.1f s", e, delay)
+                await sleep(delay)
+                continue
             save_enrollment(state_dir, server, answer)
             if answer.trust is not None and answer.trust.tuf_root is not None:
                 _store_tuf_root(state_dir, answer.trust.tuf_root)
@@ -106,6 +144,8 @@ async def _post(
     try:
         async with http.post(url, json=envelope) as resp:
             body = await resp.content.read(EnrollmentAnswer.MAX_BYTES + 1)
+            if resp.status == 503:
+                raise ServerUnavailableError(f"{base} is unavailable (503): {_reason(body)}")
             if resp.status != 200:
                 raise EnrollError(f"{base} refused the enrollment ({resp.status}): {_reason(body)}")
     except aiohttp.ClientError as e:
