@@ -13,6 +13,9 @@ HTTP and over MQTT and reads the statistics the agent publishes on its telemetry
 - the shadow ran a copy of every request stable answered, and agreed exactly on those images
   where both models name the same digit (worked out here with onnxruntime);
 - every message passes the control plane's schema, histograms included.
+
+And in process: only a desired state the handler accepts sets the statistics interval, within
+the policy's bounds.
 """
 
 from __future__ import annotations
@@ -30,9 +33,15 @@ import aiohttp
 import numpy as np
 import pytest
 
+from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
+from mcp_edge.agent.fleet.spool import Spool
 from mcp_edge.agent.identity import save_enrollment
+from mcp_edge.agent.runtime.loader import load_runner
+from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
 from mcp_edge.client import InferenceClient, InferenceReplyError
+from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttSettings
+from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.protocol import decode, topics
 from mcp_edge.shared.protocol.canary import CanaryPolicy
 from mcp_edge.shared.protocol.enrollment import BrokerCredentials, EnrollmentAnswer, TrustRoot
@@ -53,6 +62,7 @@ from tests.support.tuf import SignedRepo, make_bundle
 pytestmark = [pytest.mark.mosquitto, pytest.mark.timeout(120)]
 
 DEVICE = "cam-roles"
+PROFILE = load_profiles()["generic-x86_64"]
 DEADLINE_S = 30.0
 
 
@@ -220,3 +230,54 @@ async def test_counts_per_version_and_role_add_up_over_http_and_mqtt(
                         ("shadowed", "1.0.0", "stable"), ("shadowed", "1.1.0", "shadow")}  # fmt: skip
     # Every histogram holds exactly the successful requests.
     assert all(t[4] == 0 for t in got.values())
+
+
+async def test_only_an_accepted_desired_state_sets_the_statistics_interval(
+    mosquitto: MosquittoBroker, digits: DigitsModels, tmp_path: Path
+) -> None:
+    device = "cam-interval"
+    handled: list[Any] = []
+
+    async def handler(envelope: Any) -> None:  # the update agent's part: accept or refuse
+        handled.append(envelope)
+        if envelope["signed"].get("refuse"):
+            raise MessageError("refused by this test's handler")
+
+    manager = ModelManager(lambda s: [load_runner(s.model_path, PROFILE, threads=1)])
+    await manager.load(ModelSource("digits", "1", digits.onnx_path))
+    config = FleetConfig(device_id=device, host=mosquitto.host, port=mosquitto.port,
+                         health_interval_s=3600, inference_interval_s=3600)  # fmt: skip
+    session = FleetSession(config, spool=Spool(tmp_path / "spool"), manager=manager,
+                           desired_handler=handler)  # fmt: skip
+    received: list[InboundMessage] = []
+    settings = MqttSettings(mosquitto.host, mosquitto.port, client_id="interval-watcher",
+                            clean_start=True, session_expiry_s=0)  # fmt: skip
+    try:
+        async with (
+            MqttClient(settings) as watcher,
+            InferenceClient(mosquitto.host, mosquitto.port) as client,
+        ):
+            watcher.set_handler(received.append)
+            await watcher.subscribe(topics.telemetry(device, "inference"))
+            await session.start()
+            await session.wait_online(10)
+            for signed in ({"telemetry": {"inference_interval_s": 1}},
+                           {"telemetry": {"inference_interval_s": 3600}, "refuse": True},
+                           {"telemetry": {"inference_interval_s": 0.5}},  # out of bounds
+                           {"telemetry": {}}):  # fmt: skip
+                doc = {"signed": signed, "signatures": []}
+                await watcher.publish(topics.desired(device), json.dumps(doc).encode(), 1)
+            await until(lambda: len(handled) == 4, "the four desired states handled")
+            assert session.inference_interval_s == 1.0
+            for row in digits.mlp.X_test[:3]:
+                await client.infer("digits", {"input": row[None]}, device=device)
+
+            def counted() -> int:
+                return sum(m.count for msg in received
+                           for m in decode(msg.payload, InferenceStats).models)  # fmt: skip
+
+            # Started with one statistics message an hour, it sends within seconds now.
+            await until(lambda: counted() == 3, "the statistics of the three requests")
+    finally:
+        await session.close()
+        await manager.close()
