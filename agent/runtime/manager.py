@@ -477,9 +477,7 @@ class ModelManager:
             return current, await self._answer_for(current, feeds, priority, timeout_s, stats)
         except Exception as e:
             if stats is not None:
-                role = slot.counted_role(lv.version) if slot is not None else InferenceRole.STABLE
-                stats.record(lv.name, lv.version, time.perf_counter() - t0, outcome_of(e),
-                             role=role)  # fmt: skip
+                self._count(stats, lv, time.perf_counter() - t0, outcome_of(e))
             if (
                 not isinstance(e, (InferenceError, DeadlineExceededError))
                 or isinstance(e, InputError)
@@ -493,17 +491,13 @@ class ModelManager:
             stable = self.get(lv.name)
             log.warning("canary %s %s failed (%s); answered by stable", lv.name, lv.version, e)
             return stable, await self._answer_for(stable, feeds, priority, timeout_s, stats)
-        role = InferenceRole.STABLE
+        if stats is not None:
+            self._count(stats, lv, time.perf_counter() - t0, Outcome.OK)
         if slot is not None:
             if self._is_canary(slot, lv):
-                role = InferenceRole.CANARY
                 self._record_canary(slot, failed=False)
-            else:
-                role = slot.counted_role(lv.version)
-                if slot.shadow is not None and lv.version == slot.stable:
-                    self._start_shadow(slot, feeds, outputs, stats)
-        if stats is not None:
-            stats.record(lv.name, lv.version, time.perf_counter() - t0, Outcome.OK, role=role)
+            elif slot.shadow is not None and lv.version == slot.stable:
+                self._start_shadow(slot, feeds, outputs, stats)
         return lv, outputs
 
     async def _answer_for(
@@ -514,27 +508,38 @@ class ModelManager:
         timeout_s: float | None,
         stats: InferenceObserver | None,
     ) -> dict[str, Array]:
-        """Run a request on ``lv``, the stable version answering for another one, counted in
-        ``stats`` as stable's."""
+        """Run a request on ``lv``, answering for another version (a failed canary, one retired
+        before the request reached it), counted in ``stats`` under ``lv``'s role."""
         t0 = time.perf_counter()
         try:
             outputs = await lv.infer(feeds, priority, timeout_s)
         except Exception as e:
             if stats is not None:
-                stats.record(lv.name, lv.version, time.perf_counter() - t0, outcome_of(e))
+                self._count(stats, lv, time.perf_counter() - t0, outcome_of(e))
             raise
         if stats is not None:
-            stats.record(lv.name, lv.version, time.perf_counter() - t0, Outcome.OK)
+            self._count(stats, lv, time.perf_counter() - t0, Outcome.OK)
         return outputs
+
+    def _count(
+        self,
+        stats: InferenceObserver,
+        lv: LoadedVersion,
+        latency_s: float,
+        outcome: Outcome,
+        agreed: bool | None = None,
+    ) -> None:
+        """One run of ``lv`` into ``stats``, under the role ``lv`` has now."""
+        slot = self._slots.get(lv.name)
+        role = slot.counted_role(lv.version) if slot is not None else InferenceRole.STABLE
+        stats.record(lv.name, lv.version, latency_s, outcome, role=role, agreed=agreed)
 
     def count_refused(self, lv: LoadedVersion, latency_s: float, outcome: Outcome) -> None:
         """Count in :attr:`stats` a client's request routed to ``lv`` that failed before it
         could run there (its body does not fit the version's inputs): the transports call it,
         so that every request a version was given is in its statistics."""
         if self.stats is not None:
-            slot = self._slots.get(lv.name)
-            role = slot.counted_role(lv.version) if slot is not None else InferenceRole.STABLE
-            self.stats.record(lv.name, lv.version, latency_s, outcome, role=role)
+            self._count(self.stats, lv, latency_s, outcome)
 
     @staticmethod
     def _is_canary(slot: ModelSlot, lv: LoadedVersion) -> bool:
