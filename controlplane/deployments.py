@@ -52,7 +52,7 @@ from mcp_edge.controlplane.settings import Settings
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.canary import CanaryPolicy
-from mcp_edge.shared.protocol.state import DesiredState, sign_desired_state
+from mcp_edge.shared.protocol.state import DesiredState, TelemetryPolicy, sign_desired_state
 from mcp_edge.shared.signing import PrivateKey
 
 log = logging.getLogger("mcp.controlplane.deployments")
@@ -194,6 +194,7 @@ class DeploymentService:
         self._publisher = publisher
         self._clock = clock
         self._ttl = timedelta(seconds=settings.desired_ttl_s)
+        self._telemetry = TelemetryPolicy(inference_interval_s=settings.inference_interval_s)
         self._interval_s = min(interval_s, settings.desired_ttl_s / 10)
         self._publish_timeout_s = publish_timeout_s
         self._publish_lock = asyncio.Lock()
@@ -654,7 +655,7 @@ class DeploymentService:
             seq = previous[device_id].seq + 1 if device_id in previous else 1
             try:
                 state = build_desired_state(
-                    device_id, seq, now, self._ttl, models[device_id], versions
+                    device_id, seq, now, self._ttl, models[device_id], versions, self._telemetry
                 )
             except ValidationError as e:
                 raise DeploymentConflictError(

@@ -14,7 +14,13 @@ from mcp_edge.controlplane.db.deployments import DeviceModelView, VersionView
 from mcp_edge.controlplane.db.devices import DeviceView
 from mcp_edge.shared.errors import VersionError
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY
-from mcp_edge.shared.protocol.state import CanarySpec, DesiredModel, DesiredState, TargetRef
+from mcp_edge.shared.protocol.state import (
+    CanarySpec,
+    DesiredModel,
+    DesiredState,
+    TargetRef,
+    TelemetryPolicy,
+)
 from mcp_edge.shared.version import parse_version
 
 log = logging.getLogger("mcp.controlplane.deployments")
@@ -36,6 +42,7 @@ def build_desired_state(
     ttl: timedelta,
     models: Sequence[DeviceModelView],
     versions: Mapping[tuple[str, str], VersionView],
+    telemetry: TelemetryPolicy | None = None,
 ) -> DesiredState:
     """The whole desired state of one device from its desired models; a model whose version
     is no longer published is left out (logged). A ``prefetch_version`` that is no longer
@@ -72,7 +79,12 @@ def build_desired_state(
             )
         )
     return DesiredState(
-        device_id=device_id, seq=seq, issued_at=now, expires=now + ttl, models=entries
+        device_id=device_id,
+        seq=seq,
+        issued_at=now,
+        expires=now + ttl,
+        models=entries,
+        telemetry=telemetry or TelemetryPolicy(),
     )
 
 

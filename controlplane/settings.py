@@ -21,6 +21,7 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     desired_ttl_s = 604800                      # lifetime of a signed desired state (re-signed at half)
     repository_http = true                      # false: /repo/... answers 403 (MQTT only)
     replica_name = "cp-east-1"                  # absent: cp-{host}-{id kept in the data dir}
+    inference_interval_s = 30.0                 # how often devices send inference statistics
 
     [[webhooks]]                                # any number; event delivery, docs/webhooks.md
     name = "ops"                                # identifier: letters, digits, ``_.-``, <= 64
@@ -32,8 +33,8 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
 
 Webhooks are read from the file (or ``overrides``) only, never from the environment.
 
-Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES``, ``MCP_REPOSITORY_HTTP`` and
-``MCP_REPLICA_NAME``.
+Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES``, ``MCP_REPOSITORY_HTTP``,
+``MCP_REPLICA_NAME`` and ``MCP_INFERENCE_INTERVAL_S``.
 """
 
 from __future__ import annotations
@@ -286,6 +287,9 @@ class Settings:
     replica_name: str | None = None
     """This replica's broker identity; None: ``cp-{host}-{id}``, the id kept in the data dir
     (:mod:`controlplane.replica`)."""
+    inference_interval_s: float = 30.0
+    """How often devices send inference statistics (their desired state's telemetry policy):
+    the rollout gates judge on them, so a shorter interval decides stages sooner."""
     webhooks: tuple[WebhookConfig, ...] = ()
     """Where events (rollout transitions, ...) are delivered (:mod:`controlplane.webhooks`)."""
 
@@ -417,6 +421,11 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             if not 600.0 <= ttl <= 365 * 86400.0:
                 raise ValueError("desired_ttl_s must be between 600 seconds and 365 days")
             changes["desired_ttl_s"] = ttl
+        if values.get("inference_interval_s") is not None:
+            interval = _number("inference_interval_s", values["inference_interval_s"], float)
+            if not 1.0 <= interval <= 86400.0:
+                raise ValueError("inference_interval_s must be between 1 and 86400 seconds")
+            changes["inference_interval_s"] = interval
         if values.get("replica_name"):
             changes["replica_name"] = valid_replica_name(str(values["replica_name"]))
         if values.get("webhooks") is not None:
@@ -448,6 +457,7 @@ def load_settings(
         "max_bundle_bytes": env.get("MCP_MAX_BUNDLE_BYTES") or None,
         "repository_http": env.get("MCP_REPOSITORY_HTTP") or None,
         "replica_name": env.get("MCP_REPLICA_NAME") or None,
+        "inference_interval_s": env.get("MCP_INFERENCE_INTERVAL_S") or None,
     }
     settings = _apply(settings, from_env, "environment")
     return _apply(settings, overrides or {}, "command line")
@@ -487,6 +497,7 @@ def write_config_file(settings: Settings) -> Path:
     values["timestamp_refresh_s"] = settings.timestamp_refresh_s
     values["max_bundle_bytes"] = settings.max_bundle_bytes
     values["repository_http"] = settings.repository_http
+    values["inference_interval_s"] = settings.inference_interval_s
     if settings.replica_name:
         values["replica_name"] = settings.replica_name
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
