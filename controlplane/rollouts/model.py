@@ -247,8 +247,9 @@ class VersionStats:
     p95_ms: float | None = None
     latency_edges_ms: tuple[float, ...] = ()
     latency_counts: tuple[int, ...] = ()
-    """len(edges) + 1 buckets: ``counts[i]`` requests at or below ``edges[i]``, the last one
-    above the last edge."""
+    """len(edges) + 1 buckets: ``counts[i]`` answered requests at or below ``edges[i]``, the
+    last one above the last edge. Failed and rejected requests have no latency, so the buckets
+    hold at most ``requests``."""
     shadow_compared: int = 0
     shadow_agreed: int = 0
 
