@@ -182,11 +182,16 @@ def _bake_line(
 ) -> str:
     line = f"baking since {fmt_at(r['bake_started_at'])}"
     stage = int(r["stage"])
-    if now is not None and stage < len(stages):
+    if stage >= len(stages):
+        return line
+    bake_s = float(stages[stage].get("bake_s", _STAGE_DEFAULT.bake_s))
+    line += f" for {fmt_seconds(bake_s)}"
+    if now is not None:
         started = datetime.fromisoformat(str(r["bake_started_at"]).replace("Z", "+00:00"))
-        bake_s = float(stages[stage].get("bake_s", _STAGE_DEFAULT.bake_s))
         left = bake_s - (now - started).total_seconds()
-        line += f" ({fmt_seconds(float(math.ceil(left)))} left)" if left > 0 else " (done)"
+        minutes, seconds = divmod(math.ceil(left), 60)
+        more = f"{minutes}m{seconds:02d}s" if minutes else f"{seconds}s"
+        line += f" ({more} left)" if left > 0 else " (over)"
     return line
 
 
