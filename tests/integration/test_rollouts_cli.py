@@ -380,7 +380,7 @@ def test_create_from_flags_then_list_show_and_history(plane: Plane) -> None:
     assert stage_rows[0][:4] == ["1", "1", "canary", "0.2"]
     assert "error_rate<0.02,min_requests=50" in stage_rows[0] and stage_rows[0][-1] == "running"
     assert stage_rows[1][:3] == ["2", "100%", "(3)"] and "prefetch,approval" in stage_rows[1]
-    # The devices are offline, so nobody is told yet: all four wait, named in hash order.
+    # The devices are offline, so nobody is told yet: all four wait, each named.
     assert "devices: 4 waiting" in shown
     (named,) = [line for line in shown.splitlines() if line.startswith("  waiting: ")]
     assert sorted(named.split()[1:]) == sorted(devices)
@@ -496,6 +496,32 @@ def test_pause_resume_and_abort(plane: Plane) -> None:
     assert history[-1].split("  ")[-2:] == ["user:admin", "aborted by user:admin: wrong build"]
     after = plane.cli("rollouts", "resume", rid, ok=False)
     assert after.exit_code == 1 and "it has ended and takes no command" in after.output
+
+
+def test_promote_approve_and_rollback(plane: Plane) -> None:
+    plane.publish("digits", "1.0.0")
+    plane.enroll("cam-a", "cam-b", "cam-c", "cam-d")
+    created = plane.cli(
+        "rollouts", "create", "digits", "1.0.0", "--group", GROUP,
+        "--stage", "1", "--stage", "rest:approval",
+    )  # fmt: skip
+    rid = str(created_id(created))
+    promoted = plane.cli("rollouts", "promote", rid).stdout.strip()
+    assert (
+        promoted
+        == f"rollout {rid}: awaiting_approval: stage 2 of 2 awaits approval: 3 device(s), switch"
+    )
+    # The offline device of stage 1 was never told: promoting skipped it.
+    assert "devices: 3 waiting, 1 skipped" in plane.cli("rollouts", "show", rid).stdout
+    approved = plane.cli("rollouts", "approve", rid, "--reason", "change 42").stdout.strip()
+    assert approved == f"rollout {rid}: running: stage 2 of 2 starts: 3 device(s), switch"
+    rolled = plane.cli("rollouts", "rollback", rid).stdout.strip()
+    assert rolled.startswith(f"rollout {rid}: rolled_back: rolled back: 0 device(s)")
+    kinds = [e["kind"] for e in json.loads(plane.cli("rollouts", "history", rid, "--json").stdout)]
+    assert kinds == [
+        "stage_started", "promoted", "devices_skipped", "stage_passed", "awaiting_approval",
+        "approved", "stage_started", "rolling_back", "rolled_back",
+    ]  # fmt: skip
 
 
 def test_watch_follows_a_rollout_to_success_and_exits_0(plane: Plane) -> None:
