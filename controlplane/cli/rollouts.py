@@ -249,7 +249,15 @@ def rollouts() -> None:
     """Staged rollouts of a model version, gated on what the devices measure."""
 
 
-@rollouts.command("create")
+CREATE_HELP = (
+    "Start a staged rollout of VERSION of MODEL over the selected devices.\n\n"
+    "Stage sizes are counts or percents of the target; `rest` (last) takes what remains. "
+    "Quote a --stage that holds < or >. Without --stage (and --file) the stages are:\n\n\b\n"
+    + "\n".join(f"  --stage '{s}'" for s in DEFAULT_STAGES)
+)
+
+
+@rollouts.command("create", help=CREATE_HELP)
 @api_options
 @click.argument("model", required=False)
 @click.argument("version", required=False)
@@ -264,8 +272,7 @@ def rollouts() -> None:
     metavar="SPEC",
     help="One stage, in order: SIZE[:OPTION]..., SIZE N, P% or rest; OPTIONs switch|canary|"
     "shadow, weight=F, bake=10m, prefetch, approval, gate=METRIC<T[,min_devices=N]"
-    "[,min_requests=N][,on_fail=pause][,dry_run] (agreement takes >). Default: "
-    + "  ".join(DEFAULT_STAGES),
+    "[,min_requests=N][,on_fail=pause][,dry_run] (agreement takes >); repeatable.",
 )
 @click.option(
     "--rate", metavar="N/min", help="Devices told to move per minute (default: no limit)."
@@ -305,11 +312,7 @@ def create(
     print_spec: bool,
     as_json: bool,
 ) -> None:
-    """Start a staged rollout of VERSION of MODEL over the selected devices.
-
-    Stage sizes are counts or percents of the target; `rest` (last) takes what remains.
-    Quote a --stage that holds < or >.
-    """
+    """Start a staged rollout (the help is :data:`CREATE_HELP`)."""
     if version is None and model is not None and file is None:
         raise click.UsageError("give MODEL and VERSION")
     target: dict[str, Any] = {}
