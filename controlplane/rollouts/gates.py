@@ -3,8 +3,8 @@
 Figures come from devices, so nothing here trusts them. A device's figures count only when
 they are consistent (:func:`invalid_reason` is None): counters are non-negative integers,
 errors at most requests, agreed at most compared, a histogram has ``len(edges) + 1`` buckets
-over strictly increasing non-negative edges and its counts hold at most the requests (errors have no latency), and p95 and
-drift are finite and non-negative. A device with inconsistent figures is left out of every
+over strictly increasing non-negative edges and holds at most the requests (failed requests
+have no latency), and p95 and drift are finite and non-negative. A device with inconsistent figures is left out of every
 gate of the stage (the engine reports it once in an ``ignored_stats`` decision).
 
 No single device decides a request-based gate alone: when two or more devices report, each
