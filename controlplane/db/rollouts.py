@@ -160,6 +160,11 @@ async def list_rollouts(
     return [_view(r) for r in rows.scalars()]
 
 
+async def count_by_status(tx: Tx) -> dict[str, int]:
+    rows = await tx.execute(select(RolloutRow.status, func.count()).group_by(RolloutRow.status))
+    return {str(status): int(n) for status, n in rows}
+
+
 async def stepped_rollout_ids(tx: Tx) -> list[int]:
     rows = await tx.execute(
         select(RolloutRow.id).where(RolloutRow.status.in_(STEPPED_STATUSES)).order_by(RolloutRow.id)
@@ -215,8 +220,7 @@ async def write_step(
         "updated_at": now,
         "step_seq": RolloutRow.step_seq + 1,
     }
-    if ended:
-        values["ended_at"] = now
+    values["ended_at"] = now if ended else None  # a finished rollout rolled back is live again
     result = await tx.execute(
         update(RolloutRow)
         .where(RolloutRow.id == rollout_id, RolloutRow.step_seq == expected_seq)

@@ -388,19 +388,29 @@ def _tell(
         run.act(ActionKind.PREFETCH, ready)
         return
     for d in ready:
-        devs[d] = replace(devs[d], phase=_P.MOVING, since=run.now, told_at=run.now, mode=stage.mode)
-    run.act(ActionKind.MOVE, ready, stage.mode, _weight(stage))
+        devs[d] = replace(devs[d], told_at=run.now)
+    _move(run, devs, ready, stage)
 
 
-def _weight(stage: Stage) -> float | None:
-    return stage.weight if stage.mode is StageMode.CANARY else None
+def _weight(mode: StageMode, stage: Stage) -> float | None:
+    return stage.weight if mode is StageMode.CANARY else None
+
+
+def _mode_of(p: DeviceProgress, stage: Stage) -> StageMode:
+    """A device that had no version of the model has nothing to run beside a canary or a
+    shadow: it switches."""
+    return stage.mode if p.from_version is not None else StageMode.SWITCH
 
 
 def _move(run: _Run, devs: dict[str, DeviceProgress], ids: Sequence[str], stage: Stage) -> None:
-    """Tell devices that are told already (prefetched ones) to move: not rate limited."""
+    """Tell devices to run the new version in the stage's mode (each mode one action)."""
+    by_mode: dict[StageMode, list[str]] = {}
     for d in ids:
-        devs[d] = replace(devs[d], phase=_P.MOVING, since=run.now, mode=stage.mode)
-    run.act(ActionKind.MOVE, ids, stage.mode, _weight(stage))
+        by_mode.setdefault(_mode_of(devs[d], stage), []).append(d)
+    for mode, group in by_mode.items():
+        for d in group:
+            devs[d] = replace(devs[d], phase=_P.MOVING, since=run.now, mode=mode)
+        run.act(ActionKind.MOVE, group, mode, _weight(mode, stage))
 
 
 def _gate_detail(r: GateResult) -> dict[str, object]:

@@ -549,9 +549,11 @@ class RolloutService:
                 )
             else:
                 before = now_stats
-            role = mode.value if mode is not StageMode.SWITCH else "stable"
             for device_id in stage_ids:
-                old_version = state.devices[device_id].from_version
+                progress = state.devices[device_id]
+                moved_as = progress.mode or mode
+                role = moved_as.value if moved_as is not StageMode.SWITCH else "stable"
+                old_version = progress.from_version
                 metrics[device_id] = DeviceMetrics(
                     device_id=device_id,
                     new=_stats(now_stats.get((device_id, spec.version, role))),
@@ -689,12 +691,9 @@ class RolloutService:
     async def _gauge(self) -> None:
         """Refresh the status and per-phase gauges."""
         async with self._db.read() as tx:
-            rows = await q.list_rollouts(tx, limit=1000)
-            live = [r for r in rows if r.status in q.ACTIVE_STATUSES]
+            counts = await q.count_by_status(tx)
+            live = await q.list_rollouts(tx, limit=1000, statuses=q.ACTIVE_STATUSES)
             phases = await q.phase_counts(tx, [r.id for r in live])
-        counts: dict[str, int] = {}
-        for r in rows:
-            counts[r.status] = counts.get(r.status, 0) + 1
         for status in ("running", "awaiting_approval", "paused", "rolling_back",
                        "succeeded", "rolled_back", "aborted"):  # fmt: skip
             self.metrics.rollouts.labels(status).set(counts.get(status, 0))
