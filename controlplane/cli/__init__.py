@@ -5,6 +5,7 @@
     mcp-controlplane keys ... (local) | publishers | models ...    (see repo)
     mcp-controlplane deploy | undeploy | deployments | desired ... (see deploy)
     mcp-controlplane apps create | list | revoke ...               (see apps)
+    mcp-controlplane rollouts create | show | watch | pause ...    (see rollouts)
 
 Imports go one way: a command module imports the helpers (:mod:`.client`, the REST client and
 output; :mod:`.datadir`, the data dir and settings), :mod:`.group` imports the command modules
