@@ -583,7 +583,7 @@ def _rolling_back(run: _Run, state: RolloutState) -> RolloutState:
 
 def _rolled_back(run: _Run, state: RolloutState) -> RolloutState:
     n = sum(p.phase is _P.REVERTED for p in state.devices.values())
-    reason = f"rolled back: {n} device(s) told to return to their previous version"
+    reason = f"rolled back: {n} device(s) reverted to the version they ran before"
     run.decide("rolled_back", reason, state.stage, devices=n)
     return replace(state, status=_S.ROLLED_BACK, reason=reason)
 
