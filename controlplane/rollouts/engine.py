@@ -499,13 +499,20 @@ def _pass_stage(run: _Run, state: RolloutState, why: str) -> RolloutState:
         run.decide("stage_passed", f"stage {index + 1} of {total} passed: {why}", index)
         return _enter_stage(run, state, index + 1)
     devs = dict(state.devices)
+    # Canary and shadow devices switch; a skipped one that was told is told again (its
+    # retained desired state then names the switch when it comes back) but not waited for.
     switch = [
         d
         for d in order_devices(run.spec.model, devs)
-        if devs[d].phase is _P.ACTIVE and devs[d].mode in (StageMode.CANARY, StageMode.SHADOW)
+        if devs[d].mode in (StageMode.CANARY, StageMode.SHADOW)
+        and (
+            devs[d].phase is _P.ACTIVE
+            or (devs[d].phase is _P.SKIPPED and devs[d].told_at is not None)
+        )
     ]
     for d in switch:
-        devs[d] = replace(devs[d], phase=_P.MOVING, since=run.now, mode=StageMode.SWITCH)
+        phase = _P.MOVING if devs[d].phase is _P.ACTIVE else devs[d].phase
+        devs[d] = replace(devs[d], phase=phase, since=run.now, mode=StageMode.SWITCH)
     run.act(ActionKind.MOVE, switch, StageMode.SWITCH)
     then = f"; {len(switch)} canary/shadow device(s) told to switch" if switch else ""
     reason = f"stage {index + 1} of {total} passed: {why}{then}"
