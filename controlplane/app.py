@@ -432,6 +432,7 @@ def create_app(
         owner=ingest.credentials.client_id if ingest is not None else f"cp-{os.getpid()}",
         notify=webhooks.notify,
         registry=metrics.registry,
+        lease_s=settings.rollout_lease_s,
     )
 
     async def start_rollouts(app: web.Application) -> None:

@@ -22,6 +22,7 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     repository_http = true                      # false: /repo/... answers 403 (MQTT only)
     replica_name = "cp-east-1"                  # absent: cp-{host}-{id kept in the data dir}
     inference_interval_s = 30.0                 # how often devices send inference statistics
+    rollout_lease_s = 15.0                      # a dead replica's rollouts move on after this
 
     [[webhooks]]                                # any number; event delivery, docs/webhooks.md
     name = "ops"                                # identifier: letters, digits, ``_.-``, <= 64
@@ -34,7 +35,7 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
 Webhooks are read from the file (or ``overrides``) only, never from the environment.
 
 Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES``, ``MCP_REPOSITORY_HTTP``,
-``MCP_REPLICA_NAME`` and ``MCP_INFERENCE_INTERVAL_S``.
+``MCP_REPLICA_NAME``, ``MCP_INFERENCE_INTERVAL_S`` and ``MCP_ROLLOUT_LEASE_S``.
 """
 
 from __future__ import annotations
@@ -290,6 +291,9 @@ class Settings:
     inference_interval_s: float = 30.0
     """How often devices send inference statistics (their desired state's telemetry policy):
     the rollout gates judge on them, so a shorter interval decides stages sooner."""
+    rollout_lease_s: float = 15.0
+    """How long a replica's claim on a rollout lasts without renewal (it renews every step):
+    when a replica dies, another carries its rollouts on after at most this long."""
     webhooks: tuple[WebhookConfig, ...] = ()
     """Where events (rollout transitions, ...) are delivered (:mod:`controlplane.webhooks`)."""
 
@@ -426,6 +430,11 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             if not 1.0 <= interval <= 86400.0:
                 raise ValueError("inference_interval_s must be between 1 and 86400 seconds")
             changes["inference_interval_s"] = interval
+        if values.get("rollout_lease_s") is not None:
+            lease = _number("rollout_lease_s", values["rollout_lease_s"], float)
+            if not 2.0 <= lease <= 3600.0:
+                raise ValueError("rollout_lease_s must be between 2 and 3600 seconds")
+            changes["rollout_lease_s"] = lease
         if values.get("replica_name"):
             changes["replica_name"] = valid_replica_name(str(values["replica_name"]))
         if values.get("webhooks") is not None:
@@ -458,6 +467,7 @@ def load_settings(
         "repository_http": env.get("MCP_REPOSITORY_HTTP") or None,
         "replica_name": env.get("MCP_REPLICA_NAME") or None,
         "inference_interval_s": env.get("MCP_INFERENCE_INTERVAL_S") or None,
+        "rollout_lease_s": env.get("MCP_ROLLOUT_LEASE_S") or None,
     }
     settings = _apply(settings, from_env, "environment")
     return _apply(settings, overrides or {}, "command line")
@@ -498,6 +508,7 @@ def write_config_file(settings: Settings) -> Path:
     values["max_bundle_bytes"] = settings.max_bundle_bytes
     values["repository_http"] = settings.repository_http
     values["inference_interval_s"] = settings.inference_interval_s
+    values["rollout_lease_s"] = settings.rollout_lease_s
     if settings.replica_name:
         values["replica_name"] = settings.replica_name
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
