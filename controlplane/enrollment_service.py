@@ -49,7 +49,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
@@ -208,13 +208,6 @@ class _BrokerRefused(Exception):
     others: list[_Job]
 
 
-@dataclass
-class _Group:
-    """What the decision transaction of one group found (its token lookups are cached)."""
-
-    tokens: dict[str, EnrollmentToken | None] = field(default_factory=dict)
-
-
 class EnrollmentService:
     """Enrollment and the operator's decisions on devices; one per control-plane process.
 
@@ -331,16 +324,18 @@ class EnrollmentService:
 
     async def _run_group(self, jobs: list[_Job]) -> None:
         group = await self._remember_nonces(jobs)
-        while group:
+        while True:
+            if not group:
+                return
             try:
-                staged, credentials = await self._decide_group(group)
+                staged, credentials, refused = await self._decide_group(group)
                 break
-            except _BrokerRefused as refused:
-                for job, error in refused.failures:
+            except _BrokerRefused as broker_refused:
+                for job, error in broker_refused.failures:
                     job.fail(error)
-                group = refused.others
-        else:
-            return
+                group = broker_refused.others
+        for job, error in refused:
+            job.fail(error)
         trust = await self._trust.trust_root() if credentials else None
         answers = [(s, self._answer(s, credentials.get(s.view.id), trust)) for s in staged]
         for s, _ in answers:
@@ -369,24 +364,27 @@ class EnrollmentService:
 
     async def _decide_group(
         self, jobs: Sequence[_Job]
-    ) -> tuple[list[_Staged], dict[str, Credentials]]:
+    ) -> tuple[list[_Staged], dict[str, Credentials], list[tuple[_Job, Exception]]]:
         """One transaction: each request's decision and changes in its savepoint, then every
         accepted device's broker account; committed only when the broker took them all.
 
-        A request refused or in conflict fails on its own; raises :class:`_BrokerRefused` (after
-        the rollback) when the broker refused some accounts.
+        Returns what was committed, the accounts by device id, and the requests refused or in
+        conflict (each on its own). Raises :class:`_BrokerRefused` (after the rollback) when the
+        broker refused some accounts: every other request is to be decided again, refused ones
+        included (a token use they lacked may be free once the refused request is gone).
         """
         self.groups_run += 1
         staged: list[_Staged] = []
+        refused: list[tuple[_Job, Exception]] = []
         credentials: dict[str, Credentials] = {}
-        found = _Group()
+        tokens: dict[str, EnrollmentToken | None] = {}
         async with self._db.transaction() as tx:
             for job in jobs:
                 try:
                     async with savepoint(tx):
-                        staged.append(await self._stage(tx, job, found))
+                        staged.append(await self._stage(tx, job, tokens))
                 except (EnrollmentError, ConflictError, NotFoundError) as e:
-                    job.fail(e)
+                    refused.append((job, e))
             accepted = [s for s in staged if s.view.status == DeviceStatus.ACCEPTED.value]
             results = await asyncio.gather(
                 *(self._provision(s.view.id, s.decision) for s in accepted),
@@ -402,19 +400,20 @@ class EnrollmentService:
                     raise result
             if failures:
                 failed = {id(job) for job, _ in failures}
-                others = [s.job for s in staged if id(s.job) not in failed]
-                raise _BrokerRefused(failures, others)
-        return staged, credentials
+                raise _BrokerRefused(failures, [j for j in jobs if id(j) not in failed])
+        return staged, credentials, refused
 
-    async def _stage(self, tx: Tx, job: _Job, found: _Group) -> _Staged:
+    async def _stage(self, tx: Tx, job: _Job, tokens: dict[str, EnrollmentToken | None]) -> _Staged:
+        """Decide ``job`` and make its changes in ``tx``; ``tokens`` caches the group's token
+        lookups by digest (the use itself is counted by one conditional UPDATE each)."""
         req, now = job.req, job.now
         existing = await device_q.get_device_by_key(tx, req.public_key, lock=True)
         token = None
         if existing is None:
             digest = secret_digest(req.token)
-            if digest not in found.tokens:
-                found.tokens[digest] = await token_q.find_token(tx, digest)
-            token = found.tokens[digest]
+            if digest not in tokens:
+                tokens[digest] = await token_q.find_token(tx, digest)
+            token = tokens[digest]
         decision = plan(
             existing=DeviceStatus(existing.status) if existing else None,
             token=token_facts(token) if token is not None else None,

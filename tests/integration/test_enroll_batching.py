@@ -26,6 +26,7 @@ from mcp_edge.controlplane.app import create_app
 from mcp_edge.controlplane.auth import ENROLLMENT_TOKEN_PREFIX, issue_secret
 from mcp_edge.controlplane.bootstrap import initialize
 from mcp_edge.controlplane.broker.base import (
+    AccountConflictError,
     BrokerAdminError,
     BrokerProvisioner,
     Credentials,
@@ -90,16 +91,17 @@ class Fleet:
         return token.uses
 
 
-FleetFactory = Callable[[BrokerProvisioner], Awaitable[Fleet]]
+FleetFactory = Callable[..., Awaitable[Fleet]]
 
 
 @pytest.fixture
 async def fleet(tmp_path: Path, database_url: str) -> AsyncIterator[FleetFactory]:
-    """``await fleet(provisioner)``: an initialized control-plane database and an enrollment
-    service provisioning through ``provisioner``, groups of at most :data:`GROUP`."""
+    """``await fleet(provisioner, max_uses=None)``: an initialized control-plane database, a
+    token, and an enrollment service provisioning through ``provisioner``, groups of at most
+    :data:`GROUP`."""
     made: list[Database] = []
 
-    async def make(provisioner: BrokerProvisioner) -> Fleet:
+    async def make(provisioner: BrokerProvisioner, max_uses: int | None = None) -> Fleet:
         settings = Settings(
             data_dir=tmp_path / "cp",
             database_url=database_url,
@@ -119,6 +121,7 @@ async def fleet(tmp_path: Path, database_url: str) -> AsyncIterator[FleetFactory
                 now=clock(),
                 created_by="admin",
                 approval=Approval.AUTO.value,
+                max_uses=max_uses,
             )
         service = EnrollmentService(
             db, provisioner, NoTrust(), settings, clock, ControlPlaneMetrics(), max_batch=GROUP
@@ -241,6 +244,24 @@ async def test_refusals_in_one_group_stay_with_their_own_requests(fleet: FleetFa
     )
     assert await enrolling.uses() == 1 + len(ok)
     assert len(await enrolling.device_ids()) == 1 + len(ok)
+
+
+async def test_a_use_freed_by_a_broker_refusal_goes_to_the_next_device_in_the_group(
+    fleet: FleetFactory,
+) -> None:
+    enrolling = await fleet(RefusingProvisioner(refuse={"cam-0"}), max_uses=3)
+    results = await asyncio.gather(
+        *(enrolling.enroll(PrivateKey.generate(), device_id=f"cam-{i}") for i in range(4)),
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], EnrollmentConflictError)
+    assert [r.device_id for r in results[1:] if isinstance(r, EnrollmentAnswer)] == [
+        "cam-1",
+        "cam-2",
+        "cam-3",
+    ]
+    assert await enrolling.uses() == 3
+    assert await enrolling.device_ids() == {"cam-1", "cam-2", "cam-3"}
 
 
 async def test_two_requests_for_one_key_in_a_burst_get_one_device(fleet: FleetFactory) -> None:
@@ -405,6 +426,19 @@ class FlakyProvisioner(FakeProvisioner):
         if self.failures > 0:
             self.failures -= 1
             raise BrokerAdminError("broker did not answer (fake)")
+        return await super().provision_device(device_id)
+
+
+@dataclass
+class RefusingProvisioner(FakeProvisioner):
+    """Refuses the device ids in ``refuse`` as a broker does a client id another kind of
+    account holds."""
+
+    refuse: frozenset[str] | set[str] = frozenset()
+
+    async def provision_device(self, device_id: str) -> Credentials:
+        if device_id in self.refuse:
+            raise AccountConflictError(device_id, f"app-{device_id}")
         return await super().provision_device(device_id)
 
 
