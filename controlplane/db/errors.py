@@ -6,7 +6,8 @@
     ├── DatabaseConfigError    the URL names a driver or dialect we do not support
     ├── ConflictError          a unique or foreign-key constraint refused the change
     ├── NotFoundError          the row a change was aimed at does not exist
-    └── UnavailableError       the server cannot be reached or is locked (retry later)
+    └── UnavailableError       the server cannot be reached, is locked, or gave no write turn
+                               in time (retry later)
 """
 
 from __future__ import annotations
@@ -31,4 +32,5 @@ class NotFoundError(DatabaseError):
 
 
 class UnavailableError(DatabaseError):
-    """The database cannot be reached, or stayed locked past the timeout; retrying may help."""
+    """The database cannot be reached, stayed locked past the timeout, or (SQLite) gave this
+    writer no turn within ``Database(write_wait_s=)``; retrying may help."""
