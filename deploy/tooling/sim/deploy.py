@@ -163,9 +163,7 @@ async def _deploy(
         _failed(dev, m, version, phase, e, target.length)
         return
     m.phase = Phase.ACTIVE
-    m.last_error = None
-    if m.failed_version == version:
-        m.failed_version = None
+    m.last_error = m.failed_version = None
     dev.emit(m.name, version, Phase.ACTIVE, EventOutcome.OK,
              f"active as {role} after {work_ms:.0f} ms of work", elapsed_ms=work_ms,
              bytes_total=target.length)  # fmt: skip

@@ -145,7 +145,7 @@ class SimDevice:
 
     __slots__ = (
         "_busy", "_desired", "_first_up", "_queue", "_reported_dirty", "_t_cmd", "_t_desired",
-        "_t_repo", "accepted_seq", "applied_seq", "client", "connected_at", "ctx",
+        "_t_events", "_t_repo", "_t_reported", "accepted_seq", "applied_seq", "client", "connected_at", "ctx",
         "device_id", "event_seq", "link", "models", "next_health", "next_stats", "online",
         "record", "repo", "started_at", "stats_interval_s", "view",
     )  # fmt: skip
@@ -164,6 +164,8 @@ class SimDevice:
         self._t_desired = topics.desired(self.device_id)
         self._t_cmd = topics.command(self.device_id)
         self._t_repo = topics.repo_reply(self.device_id)
+        self._t_events = topics.events(self.device_id)
+        self._t_reported = topics.reported(self.device_id)
         self._queue: deque[tuple[str, bytes, bool]] | None = None
         self._reported_dirty = False
         self._busy = False
@@ -287,7 +289,7 @@ class SimDevice:
         ack.add_done_callback(done)
 
     def _enqueue(self, topic: str, payload: bytes, retain: bool) -> None:
-        if topic.endswith("/reported"):
+        if topic == self._t_reported:
             self._reported_dirty = True  # the latest is built again when the device is back
             return
         if self._queue is None:
@@ -315,7 +317,7 @@ class SimDevice:
             version=version, phase=phase, outcome=outcome, message=message[:2048], cause=cause,
             bytes_done=bytes_done, bytes_total=bytes_total, elapsed_ms=elapsed_ms,
         )  # fmt: skip
-        self._send(topics.events(self.device_id), encode_report(event))
+        self._send(self._t_events, encode_report(event))
 
     def report(self) -> None:
         """Send the retained reported state; the fleet counts it once the broker acked it."""
@@ -346,7 +348,7 @@ class SimDevice:
             self.ctx.tracker.move(self.view, seen)
             self.view = seen
 
-        self._send(topics.reported(self.device_id), encode_report(state), retain=True,
+        self._send(self._t_reported, encode_report(state), retain=True,
                    on_acked=acked)  # fmt: skip
 
     def send_health(self, sample: HealthReport) -> None:
@@ -446,9 +448,12 @@ class SimDevice:
             return None
         self.accepted_seq = state.seq
         self.ctx.counters["desired_accepted"] += 1
-        telemetry = state.telemetry
-        if self.ctx.stats_interval_override is None:
-            self.stats_interval_s = telemetry.inference_interval_s
+        interval = state.telemetry.inference_interval_s
+        if self.ctx.stats_interval_override is None and interval != self.stats_interval_s:
+            # The policy's interval from now on: the window open now closes at the new one.
+            self.stats_interval_s = interval
+            if self.next_stats:
+                self.next_stats = min(self.next_stats, time.time() + interval)
         return state
 
     def _refused(self, envelope: dict[str, Any], cause: str, why: str) -> None:
