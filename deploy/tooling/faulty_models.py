@@ -2,8 +2,9 @@
 onnxruntime loads, with one defect that a rollout gate is meant to catch.
 
 Every function takes the digits model that :func:`mcp_edge.tooling.models.write_digits_onnx`
-wrote and writes a copy with the same signature (``input`` float32 [N, 64] ->
-``probabilities`` float32 [N, 10]) and a tail of extra nodes behind the digits graph:
+wrote (or one these functions wrote: an erroring version of a slowed model is fine) and writes
+a copy with the same signature (``input`` float32 [N, 64] -> ``probabilities`` float32
+[N, 10]) and a tail of extra nodes behind its graph:
 
 - :func:`write_warmup_failing_onnx`: loads, and fails on every run, so the agent's warm-up
   (:func:`mcp_edge.agent.runtime.checks.warm_up`, after the load) is what fails. A ``Reshape``
@@ -29,6 +30,7 @@ as the client's bad input (HTTP 400).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +50,8 @@ GFLOP per run, some 5-15 ms on one core of a server CPU against some 20 µs for 
 a p95 hundreds of times the model's own and, with the agent's queueing and thread hand-over
 added to both, still far above any latency gate's ratio."""
 
-_DIGITS_OUTPUT = "digits_probabilities"
+Tail = tuple[list[onnx.NodeProto], list[onnx.TensorProto]]
+"""The nodes and initializers a writer adds behind the model it starts from."""
 
 
 def marked(x: npt.ArrayLike, marker: float = ERROR_MARKER) -> npt.NDArray[np.float32]:
@@ -59,76 +62,81 @@ def marked(x: npt.ArrayLike, marker: float = ERROR_MARKER) -> npt.NDArray[np.flo
     return batch
 
 
-def _digits_with_tail(
-    digits_onnx: Path,
-    nodes: list[onnx.NodeProto],
-    initializers: list[onnx.TensorProto],
-    name: str,
-) -> onnx.ModelProto:
-    """The digits model whose ``probabilities`` are renamed ``digits_probabilities``, followed
-    by ``nodes`` (the last of which must write ``probabilities``) and ``initializers``.
+def _fresh_prefix(graph: onnx.GraphProto, prefix: str) -> str:
+    """``prefix``, or ``prefix2``, ``prefix3``...: the first that no tensor or node of
+    ``graph`` starts with (so writers can be applied to each other's models)."""
+    names = {i.name for i in graph.initializer} | {n.name for n in graph.node}
+    names |= {o for n in graph.node for o in n.output}
+    candidate, n = prefix, 1
+    while any(name.startswith(f"{candidate}_") for name in names):
+        n += 1
+        candidate = f"{prefix}{n}"
+    return candidate
 
-    Raises ValueError when ``digits_onnx`` has not digits' signature.
+
+def _with_tail(
+    source: Path, path: Path, prefix: str, name: str, tail: Callable[[str], Tail]
+) -> Path:
+    """Write to ``path`` the model ``source`` whose ``probabilities`` are renamed
+    ``{p}_base``, followed by ``tail(p)`` (whose last node writes ``probabilities`` from
+    ``{p}_base``); ``p`` is ``prefix`` made unique in the graph. Returns ``path``.
+
+    Raises ValueError when ``source`` has not digits' signature.
     """
-    model = onnx.load(str(digits_onnx))
+    model = onnx.load(str(source))
     graph = model.graph
-    if [i.name for i in graph.input] != [INPUT_NAME] or [o.name for o in graph.output] != [
-        OUTPUT_NAME
-    ]:
+    inputs, outputs = [i.name for i in graph.input], [o.name for o in graph.output]
+    if inputs != [INPUT_NAME] or outputs != [OUTPUT_NAME]:
         raise ValueError(
-            f"{digits_onnx}: expected one input {INPUT_NAME!r} and one output {OUTPUT_NAME!r}"
+            f"{source}: expected one input {INPUT_NAME!r} and one output {OUTPUT_NAME!r}"
         )
     producers = [n for n in graph.node if OUTPUT_NAME in n.output]
     if len(producers) != 1:
-        raise ValueError(f"{digits_onnx}: {len(producers)} nodes write {OUTPUT_NAME!r}")
-    outputs = producers[0].output
-    outputs[list(outputs).index(OUTPUT_NAME)] = _DIGITS_OUTPUT
+        raise ValueError(f"{source}: {len(producers)} nodes write {OUTPUT_NAME!r}")
+    p = _fresh_prefix(graph, prefix)
+    written = producers[0].output
+    written[list(written).index(OUTPUT_NAME)] = f"{p}_base"
+    nodes, initializers = tail(p)
     for node in nodes:  # named after what they write, so errors and profiles name them
-        node.name = node.name or node.output[0]
+        out = node.output[0]
+        node.name = node.name or (out if out.startswith(f"{p}_") else f"{p}_{out}")
     graph.node.extend(nodes)
     graph.initializer.extend(initializers)
     graph.name = name
     model.producer_name = "mcp_edge.tooling.faulty_models"
     onnx.checker.check_model(model, full_check=True)
-    return model
-
-
-def _input_zero(prefix: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], str]:
-    """Nodes computing the float scalar ``sum(input * 0)``: zero, but only known at run time."""
-    zero = numpy_helper.from_array(np.array(0.0, np.float32), f"{prefix}_zero_const")
-    nodes = [
-        helper.make_node("Mul", [INPUT_NAME, zero.name], [f"{prefix}_times_zero"]),
-        helper.make_node("ReduceSum", [f"{prefix}_times_zero"], [f"{prefix}_zero"], keepdims=0),
-    ]
-    return nodes, [zero], f"{prefix}_zero"
-
-
-def _fail_unless_zero(
-    prefix: str, count: str
-) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """Nodes that reshape a one-element tensor to ``[1 + count]`` elements (``count``: an int64
-    scalar) and add the sum of the result, zero, to the digits probabilities as
-    ``probabilities``: the run fails unless ``count`` is 0."""
-    inits = [
-        numpy_helper.from_array(np.zeros(1, np.float32), f"{prefix}_one_element"),
-        numpy_helper.from_array(np.array(1, np.int64), f"{prefix}_one"),
-        numpy_helper.from_array(np.array([0], np.int64), f"{prefix}_axes"),
-    ]
-    nodes = [
-        helper.make_node("Add", [count, f"{prefix}_one"], [f"{prefix}_length"]),
-        helper.make_node("Unsqueeze", [f"{prefix}_length", f"{prefix}_axes"], [f"{prefix}_shape"]),
-        helper.make_node(
-            "Reshape", [f"{prefix}_one_element", f"{prefix}_shape"], [f"{prefix}_reshaped"]
-        ),
-        helper.make_node("ReduceSum", [f"{prefix}_reshaped"], [f"{prefix}_nothing"], keepdims=0),
-        helper.make_node("Add", [_DIGITS_OUTPUT, f"{prefix}_nothing"], [OUTPUT_NAME]),
-    ]
-    return nodes, inits
-
-
-def _save(model: onnx.ModelProto, path: Path) -> Path:
     onnx.save(model, str(path))
     return path
+
+
+def _input_zero(p: str) -> Tail:
+    """Nodes computing the float scalar ``{p}_zero = sum(input * 0)``: zero, but only known
+    at run time; the initializer ``{p}_zero_const`` is 0.0."""
+    zero = numpy_helper.from_array(np.array(0.0, np.float32), f"{p}_zero_const")
+    nodes = [
+        helper.make_node("Mul", [INPUT_NAME, zero.name], [f"{p}_times_zero"]),
+        helper.make_node("ReduceSum", [f"{p}_times_zero"], [f"{p}_zero"], keepdims=0),
+    ]
+    return nodes, [zero]
+
+
+def _fail_unless_zero(p: str, count: str) -> Tail:
+    """Nodes that reshape a one-element tensor to ``[1 + count]`` elements (``count``: an int64
+    scalar) and add the sum of the result, zero, to ``{p}_base`` as ``probabilities``: the run
+    fails unless ``count`` is 0."""
+    inits = [
+        numpy_helper.from_array(np.zeros(1, np.float32), f"{p}_one_element"),
+        numpy_helper.from_array(np.array(1, np.int64), f"{p}_one"),
+        numpy_helper.from_array(np.array([0], np.int64), f"{p}_axes"),
+    ]
+    nodes = [
+        helper.make_node("Add", [count, f"{p}_one"], [f"{p}_length"]),
+        helper.make_node("Unsqueeze", [f"{p}_length", f"{p}_axes"], [f"{p}_shape"]),
+        helper.make_node("Reshape", [f"{p}_one_element", f"{p}_shape"], [f"{p}_reshaped"]),
+        helper.make_node("ReduceSum", [f"{p}_reshaped"], [f"{p}_nothing"], keepdims=0),
+        helper.make_node("Add", [f"{p}_base", f"{p}_nothing"], [OUTPUT_NAME]),
+    ]
+    return nodes, inits
 
 
 def write_warmup_failing_onnx(digits_onnx: Path, path: Path) -> Path:
@@ -137,15 +145,18 @@ def write_warmup_failing_onnx(digits_onnx: Path, path: Path) -> Path:
     Returns:
         ``path``.
     """
-    nodes, inits, zero = _input_zero("fail")
-    inits.append(numpy_helper.from_array(np.array(1, np.int64), "fail_offset"))
-    nodes += [
-        helper.make_node("Cast", [zero], ["fail_zero_int"], to=TensorProto.INT64),
-        helper.make_node("Add", ["fail_zero_int", "fail_offset"], ["fail_count"]),
-    ]
-    tail, tail_inits = _fail_unless_zero("fail", "fail_count")
-    model = _digits_with_tail(digits_onnx, nodes + tail, inits + tail_inits, "digits_fails_warmup")
-    return _save(model, path)
+
+    def tail(p: str) -> Tail:
+        nodes, inits = _input_zero(p)
+        inits.append(numpy_helper.from_array(np.array(1, np.int64), f"{p}_offset"))
+        nodes += [
+            helper.make_node("Cast", [f"{p}_zero"], [f"{p}_zero_int"], to=TensorProto.INT64),
+            helper.make_node("Add", [f"{p}_zero_int", f"{p}_offset"], [f"{p}_count"]),
+        ]
+        fail, fail_inits = _fail_unless_zero(p, f"{p}_count")
+        return nodes + fail, inits + fail_inits
+
+    return _with_tail(digits_onnx, path, "fail", "digits_fails_warmup", tail)
 
 
 def write_erroring_onnx(digits_onnx: Path, path: Path, *, marker: float = ERROR_MARKER) -> Path:
@@ -155,19 +166,22 @@ def write_erroring_onnx(digits_onnx: Path, path: Path, *, marker: float = ERROR_
     Returns:
         ``path``.
     """
-    inits = [
-        numpy_helper.from_array(np.array(0, np.int64), "err_first_pixel"),
-        numpy_helper.from_array(np.array(marker, np.float32), "err_marker"),
-    ]
-    nodes = [
-        helper.make_node("Gather", [INPUT_NAME, "err_first_pixel"], ["err_first"], axis=1),
-        helper.make_node("Equal", ["err_first", "err_marker"], ["err_hit"]),
-        helper.make_node("Cast", ["err_hit"], ["err_hit_int"], to=TensorProto.INT64),
-        helper.make_node("ReduceSum", ["err_hit_int"], ["err_count"], keepdims=0),
-    ]
-    tail, tail_inits = _fail_unless_zero("err", "err_count")
-    model = _digits_with_tail(digits_onnx, nodes + tail, inits + tail_inits, "digits_erroring")
-    return _save(model, path)
+
+    def tail(p: str) -> Tail:
+        inits = [
+            numpy_helper.from_array(np.array(0, np.int64), f"{p}_first_pixel"),
+            numpy_helper.from_array(np.array(marker, np.float32), f"{p}_marker"),
+        ]
+        nodes = [
+            helper.make_node("Gather", [INPUT_NAME, f"{p}_first_pixel"], [f"{p}_first"], axis=1),
+            helper.make_node("Equal", [f"{p}_first", f"{p}_marker"], [f"{p}_hit"]),
+            helper.make_node("Cast", [f"{p}_hit"], [f"{p}_hit_int"], to=TensorProto.INT64),
+            helper.make_node("ReduceSum", [f"{p}_hit_int"], [f"{p}_count"], keepdims=0),
+        ]
+        fail, fail_inits = _fail_unless_zero(p, f"{p}_count")
+        return nodes + fail, inits + fail_inits
+
+    return _with_tail(digits_onnx, path, "err", "digits_erroring", tail)
 
 
 def write_slow_onnx(
@@ -191,23 +205,26 @@ def write_slow_onnx(
     if size < 1 or repeats < 1:
         raise ValueError(f"size and repeats must be at least 1, not {size} and {repeats}")
     rng = np.random.default_rng(seed)
-    scale = 1.0 / np.sqrt(size)
-    nodes, inits, zero = _input_zero("slow")
-    inits += [
-        numpy_helper.from_array(rng.standard_normal((size, size)).astype(np.float32), "slow_start"),
-        numpy_helper.from_array(
-            (rng.standard_normal((size, size)) * scale).astype(np.float32), "slow_weights"
-        ),
-    ]
-    nodes.append(helper.make_node("Add", ["slow_start", zero], ["slow_m0"]))
-    for i in range(repeats):
-        nodes += [
-            helper.make_node("MatMul", [f"slow_m{i}", "slow_weights"], [f"slow_p{i}"]),
-            helper.make_node("Tanh", [f"slow_p{i}"], [f"slow_m{i + 1}"]),
+    start = rng.standard_normal((size, size)).astype(np.float32)
+    weights = (rng.standard_normal((size, size)) / np.sqrt(size)).astype(np.float32)
+
+    def tail(p: str) -> Tail:
+        nodes, inits = _input_zero(p)
+        inits += [
+            numpy_helper.from_array(start, f"{p}_start"),
+            numpy_helper.from_array(weights, f"{p}_weights"),
         ]
-    nodes += [
-        helper.make_node("ReduceSum", [f"slow_m{repeats}"], ["slow_sum"], keepdims=0),
-        helper.make_node("Mul", ["slow_sum", "slow_zero_const"], ["slow_nothing"]),
-        helper.make_node("Add", [_DIGITS_OUTPUT, "slow_nothing"], [OUTPUT_NAME]),
-    ]
-    return _save(_digits_with_tail(digits_onnx, nodes, inits, "digits_slow"), path)
+        nodes.append(helper.make_node("Add", [f"{p}_start", f"{p}_zero"], [f"{p}_m0"]))
+        for i in range(repeats):
+            nodes += [
+                helper.make_node("MatMul", [f"{p}_m{i}", f"{p}_weights"], [f"{p}_p{i}"]),
+                helper.make_node("Tanh", [f"{p}_p{i}"], [f"{p}_m{i + 1}"]),
+            ]
+        nodes += [
+            helper.make_node("ReduceSum", [f"{p}_m{repeats}"], [f"{p}_sum"], keepdims=0),
+            helper.make_node("Mul", [f"{p}_sum", f"{p}_zero_const"], [f"{p}_nothing"]),
+            helper.make_node("Add", [f"{p}_base", f"{p}_nothing"], [OUTPUT_NAME]),
+        ]
+        return nodes, inits
+
+    return _with_tail(digits_onnx, path, "slow", "digits_slow", tail)

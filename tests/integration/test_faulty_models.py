@@ -112,3 +112,19 @@ def _renamed_output(path: Path, tmp_path: Path) -> Path:
     out = tmp_path / "renamed.onnx"
     onnx.save(model, str(out))
     return out
+
+
+def test_faulty_writers_apply_to_each_others_models(digits: DigitsModels, tmp_path: Path) -> None:
+    slow = write_slow_onnx(digits.onnx_path, tmp_path / "slow.onnx", size=16, repeats=1)
+    slower = write_slow_onnx(slow, tmp_path / "slower.onnx", size=16, repeats=2)
+    erroring = write_erroring_onnx(slower, tmp_path / "erroring.onnx")
+    failing = write_warmup_failing_onnx(slower, tmp_path / "failing.onnx")
+    x = digits.X_test
+    for path in (slower, erroring):
+        warm_up([OnnxRunner(path, intra_op_threads=1)])
+        (answer,) = _session(path).run([OUTPUT_NAME], {INPUT_NAME: x})
+        assert np.array_equal(answer, onnx_predict(digits.onnx_path, x)), path.name
+    with pytest.raises(InferenceError, match="Reshape"):
+        OnnxRunner(erroring, intra_op_threads=1).run({INPUT_NAME: marked(x[:2])})
+    with pytest.raises(ModelLoadError, match="warm-up failed"):
+        warm_up([OnnxRunner(failing, intra_op_threads=1)])
