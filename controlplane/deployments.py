@@ -651,6 +651,7 @@ class DeploymentService:
         }
         versions = await q.get_versions(tx, pairs)
         seqs: dict[str, int] = {}
+        documents: list[DesiredView] = []
         for device_id in device_ids:
             seq = previous[device_id].seq + 1 if device_id in previous else 1
             try:
@@ -664,8 +665,7 @@ class DeploymentService:
             envelope = sign_desired_state(state, key)
             if len(orjson.dumps(envelope)) > DesiredState.MAX_BYTES:
                 raise DeploymentConflictError(f"the desired state of {device_id!r} is too large")
-            await q.save_desired_state(
-                tx,
+            documents.append(
                 DesiredView(
                     device_id=device_id,
                     seq=seq,
@@ -674,9 +674,10 @@ class DeploymentService:
                     expires_at=state.expires,
                     refresh_at=now + self._ttl / 2,
                     published_at=None,
-                ),
+                )
             )
             seqs[device_id] = seq
+        await q.save_desired_states(tx, documents)
         return seqs
 
     async def _director_key(self) -> PrivateKey:

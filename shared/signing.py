@@ -27,6 +27,7 @@ document re-encoded by any code here gives the same bytes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import stat
@@ -146,17 +147,22 @@ class PrivateKey:
     def generate(cls) -> PrivateKey:
         return cls(bytes(nacl.signing.SigningKey.generate()))
 
-    @property
-    def public_key(self) -> PublicKey:
-        return PublicKey(bytes(nacl.signing.SigningKey(self.seed).verify_key))
+    # Derived once per key object: the control plane signs thousands of documents with one.
+    @functools.cached_property
+    def _signing_key(self) -> nacl.signing.SigningKey:
+        return nacl.signing.SigningKey(self.seed)
 
-    @property
+    @functools.cached_property
+    def public_key(self) -> PublicKey:
+        return PublicKey(bytes(self._signing_key.verify_key))
+
+    @functools.cached_property
     def keyid(self) -> str:
         return self.public_key.keyid
 
     def sign(self, data: bytes) -> bytes:
         """Detached 64-byte Ed25519 signature over ``data``."""
-        return bytes(nacl.signing.SigningKey(self.seed).sign(data).signature)
+        return bytes(self._signing_key.sign(data).signature)
 
     def to_dict(self) -> dict[str, str]:
         return {**self.public_key.to_dict(), "private": self.seed.hex()}

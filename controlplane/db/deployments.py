@@ -314,8 +314,8 @@ async def put_device_model(tx: Tx, view: DeviceModelView, *, now: datetime) -> N
 
 
 async def put_device_models(tx: Tx, views: Sequence[DeviceModelView], *, now: datetime) -> None:
-    """Create or replace many device models at once: one upsert per 500 rows (a rollout step
-    may place a version on thousands of devices)."""
+    """Create or replace many device models at once, as one executemany upsert (a rollout
+    step may place a version on thousands of devices)."""
     table = DeviceModelRow.__table__
     dialect_insert: Any = (
         sqlite.insert if tx.get_bind().dialect.name == "sqlite" else postgresql.insert
@@ -334,12 +334,12 @@ async def put_device_models(tx: Tx, views: Sequence[DeviceModelView], *, now: da
         }
         for v in views
     ]
-    for i in range(0, len(rows), 500):
-        stmt = dialect_insert(table).values(rows[i : i + 500])
+    if rows:  # one executemany: the statement is compiled once, whatever the rows
+        stmt = dialect_insert(table)
         stmt = stmt.on_conflict_do_update(
             index_elements=["device_id", "model"], set_={c: stmt.excluded[c] for c in columns}
         )
-        await tx.execute(stmt)
+        await tx.execute(stmt, rows)
 
 
 async def remove_device_models(tx: Tx, model: str, device_ids: Collection[str]) -> None:
@@ -381,19 +381,32 @@ async def desired_states(
     return {r.device_id: _desired_view(r) for r in (await tx.execute(query)).scalars()}
 
 
-async def save_desired_state(tx: Tx, view: DesiredView) -> None:
-    """Create or replace the device's document (a new document is unpublished)."""
-    row = await tx.get(DesiredStateRow, view.device_id)
-    if row is None:
-        row = DesiredStateRow(device_id=view.device_id)
-        tx.add(row)
-    row.seq = view.seq
-    row.envelope = view.envelope
-    row.issued_at = view.issued_at
-    row.expires_at = view.expires_at
-    row.refresh_at = view.refresh_at
-    row.published_at = view.published_at
-    await tx.flush()
+async def save_desired_states(tx: Tx, views: Sequence[DesiredView]) -> None:
+    """Create or replace each device's document (a new document is unpublished), as one
+    executemany upsert."""
+    table = DesiredStateRow.__table__
+    dialect_insert: Any = (
+        sqlite.insert if tx.get_bind().dialect.name == "sqlite" else postgresql.insert
+    )
+    columns = ("seq", "envelope", "issued_at", "expires_at", "refresh_at", "published_at")
+    rows = [
+        {
+            "device_id": v.device_id,
+            "seq": v.seq,
+            "envelope": v.envelope,
+            "issued_at": v.issued_at,
+            "expires_at": v.expires_at,
+            "refresh_at": v.refresh_at,
+            "published_at": v.published_at,
+        }
+        for v in views
+    ]
+    if rows:  # one executemany: the statement is compiled once, whatever the rows
+        stmt = dialect_insert(table)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=["device_id"], set_={c: stmt.excluded[c] for c in columns}
+        )
+        await tx.execute(stmt, rows)
 
 
 async def unpublished(

@@ -299,7 +299,7 @@ async def insert_devices(tx: Tx, rollout_id: int, rows: Sequence[Mapping[str, An
 
 async def update_devices(tx: Tx, rollout_id: int, rows: Sequence[Mapping[str, Any]]) -> None:
     """Replace the changed device rows of a rollout (each dict: every column but
-    ``rollout_id``), as one upsert per batch."""
+    ``rollout_id``), as one executemany upsert."""
     if not rows:
         return
     table: Any = (
@@ -308,13 +308,11 @@ async def update_devices(tx: Tx, rollout_id: int, rows: Sequence[Mapping[str, An
         else postgresql.insert(DEVICES)
     )
     columns = ("stage", "phase", "since", "told_at", "from_version", "mode", "moves")
-    for chunk in _chunks(list(rows)):
-        stmt = table.values([{**r, "rollout_id": rollout_id} for r in chunk])
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["rollout_id", "device_id"],
-            set_={c: stmt.excluded[c] for c in columns},
-        )
-        await tx.execute(stmt)
+    stmt = table.on_conflict_do_update(
+        index_elements=["rollout_id", "device_id"],
+        set_={c: table.excluded[c] for c in columns},
+    )
+    await tx.execute(stmt, [{**r, "rollout_id": rollout_id} for r in rows])
 
 
 # ---------------------------------------------------------------------------- events
