@@ -12,6 +12,7 @@ the control plane's store with the per-version counts the rollout gates read.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import subprocess
@@ -22,10 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tuf.api.metadata import Metadata, Root
 
+from mcp_edge.agent.update.machine import Cause, UpdateError
 from mcp_edge.controlplane.db import Database
 from mcp_edge.controlplane.db.telemetry import version_stats
 from mcp_edge.controlplane.settings import SQLITE_FILE
+from mcp_edge.shared.protocol.codec import decode
+from mcp_edge.shared.protocol.reports import encode_report
+from mcp_edge.shared.protocol.telemetry import ModelInferenceStats
 from mcp_edge.tooling.models import DigitsModels
 from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker
 from mcp_edge.tooling.processes import (
@@ -35,9 +41,21 @@ from mcp_edge.tooling.processes import (
     stopped_at_exit,
     wait_until,
 )
+from mcp_edge.tooling.sim.config import BehaviourError, behaviour_from, load_behaviour
+from mcp_edge.tooling.sim.fleet import (
+    DEVICES_FILE,
+    DeviceRecord,
+    FleetError,
+    Trust,
+    append_devices,
+    load_fleet,
+    save_fleet_header,
+)
 from mcp_edge.tooling.sim.harness import SimProcess, active_count, api, publish_model, sim_enroll
+from mcp_edge.tooling.sim.repository import SharedVerdicts, TargetInfo
+from mcp_edge.tooling.sim.traffic import Serving, Traffic
 
-pytestmark = [pytest.mark.mosquitto, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 DEVICES = 20
 GROUP = "sim-line"
@@ -78,6 +96,7 @@ def _deploy(cp: str, token: str, version: str) -> None:
     assert len(answer["devices"]) == DEVICES, answer
 
 
+@pytest.mark.mosquitto
 def test_simulated_fleet_enrolls_deploys_fails_a_load_and_reports_statistics(
     fresh_dynsec_broker: DynsecMosquittoBroker,
     digits: DigitsModels,
@@ -178,3 +197,94 @@ async def _version_stats(data: Path, ids: list[str], since: datetime) -> dict[An
             return await version_stats(tx, ids, "digits", since)
     finally:
         await db.dispose()
+
+
+# ------------------------------------------------------------------------------- pure parts
+def test_behaviour_file_refuses_unknown_keys_and_values_out_of_range(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text(BEHAVIOUR + "\n[fleet]\nchurn_percent_per_minute = 5\n")
+    behaviour = load_behaviour(good)
+    assert behaviour.of("digits", "1.1.0").fail_load
+    assert behaviour.of("digits", "1.1.0").error_rate == 0.1  # from [defaults]
+    assert not behaviour.of("digits", "1.0.0").fail_load
+    assert behaviour.fleet.churn_percent_per_minute == 5.0
+    for text, named in [
+        ("[defaults]\nerror_rat = 0.1\n", "error_rat"),
+        ("[defaults]\nerror_rate = 1.5\n", "error_rate"),
+        ("[[version]]\nmodel = 'm'\nversion = '1.0.0'\nfail_load = 'yes'\n", "fail_load"),
+        ("[fleet]\nconnect_rate = 0\n", "connect_rate"),
+        ("[defaults\n", "not TOML"),
+    ]:
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(BehaviourError, match=named):
+            load_behaviour(bad)
+
+
+def test_drawn_statistics_pass_the_control_planes_schema_for_every_role() -> None:
+    behaviour = behaviour_from({
+        "defaults": {"request_rate": 50.0, "error_rate": 0.1},
+        "version": [{"model": "digits", "version": "2.0.0", "latency_factor": 4.0,
+                     "agreement": 0.5}],
+    })  # fmt: skip
+    traffic = Traffic(behaviour, seed=1)
+    serving = [
+        Serving("digits", "1.0.0", canary="2.0.0", canary_weight=0.25),
+        Serving("digits", "1.0.0", shadow="2.0.0"),
+    ]
+    for s in serving:
+        reports = traffic.window([s], 100.0)
+        checked = [decode(encode_report(r), ModelInferenceStats) for r in reports]
+        roles = {m.role.value: m for m in checked}
+        assert set(roles) == {"stable", "canary" if s.canary else "shadow"}
+        stable = roles["stable"]
+        assert 0.08 < stable.errors / stable.count < 0.12
+        assert stable.latency is not None
+        candidate = roles.get("canary") or roles["shadow"]
+        assert candidate.latency is not None
+        assert candidate.latency.p50_ms == pytest.approx(4 * stable.latency.p50_ms)
+        if s.canary:
+            share = candidate.count / (candidate.count + stable.count)
+            assert 0.2 < share < 0.3
+        else:
+            assert candidate.count == stable.count  # a copy of each of stable's requests
+            assert 0.45 < candidate.shadow_agreed / candidate.shadow_compared < 0.55
+
+
+async def test_a_device_with_tampered_bundle_bytes_fails_its_hash_check(tmp_path: Path) -> None:
+    # Only the bytes' own hash and length are checked before any shared verdict is used.
+    root = Metadata(Root(consistent_snapshot=True)).to_bytes()
+    verdicts = SharedVerdicts(root, tmp_path / "scratch")
+    data = b"bundle bytes" * 100
+    info = TargetInfo("digits/1.0.0.mcpb", len(data), {"sha256": hashlib.sha256(data).hexdigest()})
+    tampered = bytes([data[0] ^ 1]) + data[1:]
+    with pytest.raises(UpdateError) as refused:
+        await verdicts.check_bundle(tampered, info, "digits", "1.0.0", ())
+    assert refused.value.cause is Cause.HASH_MISMATCH
+    with pytest.raises(UpdateError) as short:
+        await verdicts.check_bundle(data[:-1], info, "digits", "1.0.0", ())
+    assert short.value.cause is Cause.HASH_MISMATCH
+    with pytest.raises(UpdateError) as unsigned:  # right bytes, but no publisher to check
+        await verdicts.check_bundle(data, info, "digits", "1.0.0", ())
+    assert unsigned.value.cause is Cause.PUBLISHER
+    assert verdicts.verifications == 1
+
+
+def test_state_directory_refuses_malformed_and_open_files(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet"
+    trust = Trust(tuf_root=b'{"signed": {}}', director_keys=("ab" * 32,))
+    save_fleet_header(fleet, "http://cp", trust)
+    record = DeviceRecord("sim-00000", "cd" * 32, ("mqtt://127.0.0.1:1883",), "dev-sim-00000",
+                          "secret", "sim-00000")  # fmt: skip
+    assert append_devices(fleet, [record]) == 1
+    assert load_fleet(fleet).devices == (record,)
+    with (fleet / DEVICES_FILE).open("a") as f:
+        f.write('{"id": "../etc", "key": "00"}\n')
+    with pytest.raises(FleetError, match=r"devices.jsonl:2"):
+        load_fleet(fleet)
+    (fleet / DEVICES_FILE).write_text(json.dumps(record.as_json()) + "\n")
+    (fleet / DEVICES_FILE).chmod(0o644)
+    with pytest.raises(FleetError, match="readable by others"):
+        load_fleet(fleet)
+    with pytest.raises(FleetError, match="no simulated fleet"):
+        load_fleet(tmp_path / "elsewhere")

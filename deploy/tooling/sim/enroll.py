@@ -23,6 +23,7 @@ so far stay in the state directory).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -185,8 +186,6 @@ def _keep_trust(
     trust = answer.trust
     if trust is None or trust.tuf_root is None:
         raise SimEnrollError(f"{base} accepted {answer.device_id} without a TUF trust root")
-    import json
-
     current = Trust(
         tuf_root=json.dumps(trust.tuf_root).encode(),
         director_keys=tuple(trust.director_keys),

@@ -195,6 +195,8 @@ class FleetRunner:
         self._out = out or _print
         self._stop = asyncio.Event()
         self._save_lock = threading.Lock()
+        self._status_lock = threading.Lock()
+        self._status_seq = self._status_written = 0
         self._exit = EXIT_OK
         self._started = time.time()
         self._process = psutil.Process()
@@ -214,7 +216,9 @@ class FleetRunner:
         loops = [
             loop.create_task(self._every(1.0, self._telemetry), name="sim-telemetry"),
             loop.create_task(self._every(1.0, self._churn), name="sim-churn"),
-            loop.create_task(self._every(c.status_interval_s, self._status), name="sim-status"),
+            loop.create_task(
+                self._every(c.status_interval_s, self._status_soon), name="sim-status"
+            ),
             loop.create_task(self._every(c.summary_interval_s, self._summary), name="sim-sum"),
             loop.create_task(self._every(c.save_interval_s, self._save_soon), name="sim-save"),
             loop.create_task(self._connect_all(), name="sim-connect"),
@@ -320,10 +324,29 @@ class FleetRunner:
                         "tasks": len(self.ctx.tasks)},
         }  # fmt: skip
 
-    def _status(self) -> None:
-        doc = self.status()
+    async def _status_soon(self) -> None:
+        # The write (with its fsyncs) off the loop, so a slow disk does not stall the fleet.
         if self.config.status_file is not None:
-            atomic_write_bytes(self.config.status_file, orjson.dumps(doc))
+            self._status_seq += 1
+            await asyncio.to_thread(self._write_status, self._status_seq, self.status())
+        self._check_until()
+
+    def _status(self) -> None:
+        if self.config.status_file is not None:
+            self._status_seq += 1
+            self._write_status(self._status_seq, self.status())
+        self._check_until()
+
+    def _write_status(self, seq: int, doc: dict[str, Any]) -> None:
+        """Write ``doc`` unless a later status is on disk already (a write from a thread
+        may finish after the final one)."""
+        assert self.config.status_file is not None
+        with self._status_lock:
+            if seq > self._status_written:
+                atomic_write_bytes(self.config.status_file, orjson.dumps(doc))
+                self._status_written = seq
+
+    def _check_until(self) -> None:
         if self.config.until and all(self.ctx.tracker.everywhere(m, v)
                                      for m, v in self.config.until):  # fmt: skip
             if not self._stop.is_set():

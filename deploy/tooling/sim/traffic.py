@@ -15,31 +15,31 @@ draws, per model it serves,
   with the version's ``agreement``).
 
 The result is the agent's own :class:`~shared.protocol.reports.ModelInferenceReport` (the
-wire's ``ModelInferenceStats``): the histogram counts add up to the successful requests, so
-the control plane's checks hold. The role and shadow fields are filled when the report type
-has them (the schema gained them with per-role statistics).
+wire's ``ModelInferenceStats``) with its role (stable, canary, shadow) and, for a shadow, the
+compared and agreed counts: the histogram counts add up to the successful requests, so the
+control plane's checks hold.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from mcp_edge.agent.fleet.telemetry import LATENCY_EDGES_MS
-from mcp_edge.shared.protocol.reports import HealthReport, LatencyReport, ModelInferenceReport
+from mcp_edge.shared.protocol.reports import (
+    HealthReport,
+    InferenceRole,
+    LatencyReport,
+    ModelInferenceReport,
+)
 from mcp_edge.tooling.sim.config import Behaviour, VersionBehaviour
 
-_FIELDS = {f.name for f in dataclasses.fields(ModelInferenceReport)}
-HAS_ROLES = {"role", "shadow_compared", "shadow_agreed"} <= _FIELDS
-"""Whether the statistics schema carries ``role``, ``shadow_compared`` and ``shadow_agreed``."""
 _Z95, _Z99 = 1.6448536269514722, 2.3263478740408408
 
 
@@ -73,19 +73,18 @@ class Traffic:
             total = int(self.rng.poisson(stable.request_rate * window_s))
             to_canary = int(self.rng.binomial(total, s.canary_weight)) if s.canary else 0
             stable_n = total - to_canary
-            out.append(self._report(s.model, s.stable, "stable", stable, stable_n))
+            out.append(self._report(s.model, s.stable, InferenceRole.STABLE, stable, stable_n))
             if s.canary is not None:
                 b = self.behaviour.of(s.model, s.canary)
-                out.append(self._report(s.model, s.canary, "canary", b, to_canary))
+                out.append(self._report(s.model, s.canary, InferenceRole.CANARY, b, to_canary))
             if s.shadow is not None:
                 b = self.behaviour.of(s.model, s.shadow)
-                out.append(self._report(s.model, s.shadow, "shadow", b, stable_n, shadow=True))
+                out.append(self._report(s.model, s.shadow, InferenceRole.SHADOW, b, stable_n))
         return out
 
     def _report(
-        self, model: str, version: str, role: str, b: VersionBehaviour, n: int, *,
-        shadow: bool = False,
-    ) -> ModelInferenceReport:  # fmt: skip
+        self, model: str, version: str, role: InferenceRole, b: VersionBehaviour, n: int
+    ) -> ModelInferenceReport:
         errors = int(self.rng.binomial(n, b.error_rate)) if n else 0
         ok = n - errors
         probs = bucket_probabilities(b.median_ms, b.latency_sigma)
@@ -95,16 +94,13 @@ class Traffic:
             m, s = b.median_ms, b.latency_sigma
             latency = LatencyReport(p50_ms=m, p95_ms=m * math.exp(_Z95 * s),
                                     p99_ms=m * math.exp(_Z99 * s))  # fmt: skip
-        extra: dict[str, Any] = {}
-        if HAS_ROLES:
-            extra["role"] = _role(role)
-            if shadow:
-                extra["shadow_compared"] = ok
-                extra["shadow_agreed"] = int(self.rng.binomial(ok, b.agreement)) if ok else 0
+        compared = agreed = 0
+        if role is InferenceRole.SHADOW and ok:
+            compared, agreed = ok, int(self.rng.binomial(ok, b.agreement))
         return ModelInferenceReport(
-            model=model, version=version, count=n, errors=errors, latency=latency,
+            model=model, version=version, role=role, count=n, errors=errors, latency=latency,
             latency_bucket_edges_ms=list(LATENCY_EDGES_MS), latency_bucket_counts=counts,
-            **extra,
+            shadow_compared=compared, shadow_agreed=agreed,
         )  # fmt: skip
 
     def health(self, device_id: str, now: float, uptime_s: float) -> HealthReport:
@@ -135,9 +131,3 @@ def _lognormal_cdf(x: float, median: float, sigma: float) -> float:
     if sigma < 1e-9:
         return 1.0 if x >= median else 0.0
     return 0.5 * (1.0 + math.erf((math.log(x) - math.log(median)) / (sigma * math.sqrt(2.0))))
-
-
-def _role(name: str) -> Any:
-    from mcp_edge.shared.protocol import reports
-
-    return getattr(reports, "InferenceRole")(name)  # noqa: B009 (absent before per-role stats)
