@@ -6,7 +6,8 @@ every :data:`STATS_INTERVAL_S`. Every test rolls out a model of its own (publish
 1.1.0, 1.0.0 deployed to the group first), so the tests do not depend on each other or on their
 order. The gate tests send their own traffic: one client thread per agent posting one-row Open
 Inference Protocol requests over HTTP, about :data:`REQUESTS_PER_S` a second, which the agents
-count in the statistics the gates read.
+count in the statistics the gates read. The gate tests' versions are digits with about a
+millisecond of steady work per run (:func:`steady`), so that a p95 is the model's.
 
 - A good version reaches every device through three stages (1 device, 1 device, the rest) with
   the three gates on each stage, and the rollout succeeds without one failed request.
@@ -71,23 +72,35 @@ GROUP = "rollout-lab"
 DEVICES = ("edge-1", "edge-2", "edge-3")
 OLD, NEW = "1.0.0", "1.1.0"
 STATS_INTERVAL_S = 1.0
-"""How often the agents send inference statistics: the ``mcp-agent run --stats-interval`` and
-the control plane's desired-state telemetry policy, so that gates have figures within seconds."""
-REQUESTS_PER_S = 25.0
+"""How often the agents send inference statistics, so that gates have figures within seconds:
+the control plane's ``inference_interval_s`` (which every desired state's telemetry policy
+carries) and, until the first desired state, ``mcp-agent run --stats-interval``."""
+REQUESTS_PER_S = 30.0
 """Each agent's traffic in the gate tests."""
-MIN_REQUESTS = 30
-"""Each request gate's minimum: a bit more than one statistics window of traffic."""
-BAKE_S = 6.0
+MIN_REQUESTS = 100
+"""Each request gate's minimum. The first requests after a hot swap run slower than the steady
+state (a fresh session), and the p95 of a few dozen requests is one or two of them: a hundred
+keep a handful of such requests above the 95th percentile."""
+BAKE_S = 8.0
 """A stage's bake in the gate tests: long enough for :data:`MIN_REQUESTS` new-version requests
 to be counted, sent and stored after the stage's device switched (else the gate ends
 inconclusive and the rollout pauses)."""
-LATENCY_CEILING = 1.5
-"""The latency gate that must catch the slow version (issue: at most 50 % slower at p95)."""
-NOISE_CEILING = 4.0
-"""The latency gate of the tests where the new version is as fast as the old: the p95 of a few
-dozen requests of a sub-millisecond model on a shared two-core box moves by more than 1.5x
-between two windows (a scheduling hiccup is one request in twenty). The slow version
-(:func:`write_slow_onnx`'s default, some 8 ms against some 0.1-0.5 ms) is 15x or more."""
+COMMAND_BAKE_S = 3.0
+"""A stage's bake in the command tests that let a stage pass by itself."""
+LATENCY_CEILING = 2.0
+"""The latency gate: at most twice as slow at p95 as the version before (the issue's failing
+case is 2x). It judges :func:`steady` digits against itself in the good test at every step of
+each bake, on 100-250 requests a side, where the ratio was seen between 0.4 and 1.6 on a shared
+two-core box; 1.5 failed a good version once in five runs. Plain digits could not be judged at
+all: its p95 in the agent (some 0.2 ms) is whatever the scheduler did to one request in twenty,
+and moves by 2-15x between windows."""
+STEADY_SIZE, STEADY_REPEATS = 256, 3
+"""The steady work of the gate tests' versions: three 256 x 256 products, about 0.1 GFLOP or
+some 1 ms a run."""
+SLOW_REPEATS = 12
+"""The slow version's work on top of steady: twelve 384 x 384 products, about 1.4 GFLOP or some
+15 ms a run: its p95 in the agent was 5-8x steady's (3.5-4x with six of them), far past
+:data:`LATENCY_CEILING`."""
 ERROR_EVERY = 5
 """In the error test every fifth request is :func:`marked` (20 %); 1.0.0 answers those."""
 ERROR_CEILING = 0.05
@@ -291,13 +304,6 @@ def _enroll(url: str, token: str, device: str, state: Path) -> subprocess.Popen[
     )  # fmt: skip
 
 
-def _set_stats_interval(data: Path) -> None:
-    """Tell the control plane to put :data:`STATS_INTERVAL_S` in every desired state's telemetry
-    policy (an agent takes its statistics interval from the desired state it accepted)."""
-    config = data / "controlplane.toml"
-    config.write_text(f"telemetry_inference_interval_s = {STATS_INTERVAL_S}\n" + config.read_text())
-
-
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     work = tmp_path_factory.mktemp("rollouts")
@@ -306,10 +312,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         set_default_acl_access(broker, dict.fromkeys(ACL_KINDS, False))
         data = work / "cp"
         token = init_control_plane(data, broker)
-        _set_stats_interval(data)
         logs = {"controlplane": work / "controlplane.log"}
         with logs["controlplane"].open("w") as cp_log:
-            _, url = serve_control_plane(data, procs, stderr=cp_log.fileno())
+            # The interval every desired state's telemetry policy gives the agents.
+            env = {**process_env(), "MCP_INFERENCE_INTERVAL_S": str(STATS_INTERVAL_S)}
+            _, url = serve_control_plane(data, procs, env=env, stderr=cp_log.fileno())
         key = PrivateKey.generate()
         fleet = Fleet(url, token, key, work, {}, logs)
         fleet.post(
@@ -337,6 +344,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
         fleet.wait(online, "the three agents online", 90)
         yield fleet
+
+
+@pytest.fixture(scope="module")
+def steady(digits: DigitsModels, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Digits with about a millisecond of steady work per run (:data:`STEADY_SIZE`,
+    :data:`STEADY_REPEATS`): the version the gate tests start from and the faulty ones are
+    made of, so that a latency is the model's, not the scheduler's."""
+    path = tmp_path_factory.mktemp("steady") / "digits-steady.onnx"
+    return write_slow_onnx(digits.onnx_path, path, size=STEADY_SIZE, repeats=STEADY_REPEATS)
 
 
 # ---------------------------------------------------------------------------- traffic
@@ -412,16 +428,18 @@ class Traffic:
         return len(last) == n and all(a.version == version for a in last)
 
     def warm(self) -> None:
-        """Wait until every agent answered a few requests and the control plane stored at
-        least three statistics reports per agent since then (so every device reported its
-        requests of the old version twice or more: reports come at one interval per agent)."""
+        """Wait until every agent answered a little more than :data:`MIN_REQUESTS` requests
+        and the control plane stored two more statistics reports per agent since then (so
+        every device reported them: reports come at one interval per agent)."""
         self.fleet.wait(
-            lambda: all(len(self.versions(d)) >= 5 for d in DEVICES), "traffic answered", 60
+            lambda: all(len(self.versions(d)) >= 1.2 * MIN_REQUESTS for d in DEVICES),
+            "traffic answered",
+            60,
         )
         start = self.fleet.inference_reports()
         self.fleet.wait(
-            lambda: self.fleet.inference_reports() >= start + 3 * len(DEVICES),
-            "three statistics reports per agent",
+            lambda: self.fleet.inference_reports() >= start + 2 * len(DEVICES),
+            "two more statistics reports per agent",
             30,
         )
 
@@ -430,12 +448,12 @@ def switch_stage(size: Json, gates: list[Json], bake_s: float = BAKE_S) -> Json:
     return {**size, "mode": "switch", "bake_s": bake_s, "gates": gates}
 
 
-def three_gates(latency_ceiling: float) -> list[Json]:
+def three_gates() -> list[Json]:
     """The gates of the gate tests, each judged on a stage's first statistics."""
     return [
         {"metric": "install_failure_rate", "threshold": 0.0, "min_devices": 1},
         {"metric": "error_rate", "threshold": ERROR_CEILING, "min_requests": MIN_REQUESTS},
-        {"metric": "latency_p95_ratio", "threshold": latency_ceiling, "min_requests": MIN_REQUESTS},
+        {"metric": "latency_p95_ratio", "threshold": LATENCY_CEILING, "min_requests": MIN_REQUESTS},
     ]
 
 
@@ -447,11 +465,11 @@ def _publish_pair(fleet: Fleet, model: str, old: Path, new: Path) -> None:
 
 # ---------------------------------------------------------------------------- gates
 def test_good_version_reaches_every_device_through_three_stages(
-    fleet: Fleet, digits: DigitsModels
+    fleet: Fleet, digits: DigitsModels, steady: Path
 ) -> None:
     model = "digits-good"
-    _publish_pair(fleet, model, digits.onnx_path, digits.onnx_path)
-    gates = three_gates(NOISE_CEILING)
+    _publish_pair(fleet, model, steady, steady)
+    gates = three_gates()
     stages = [
         switch_stage({"count": 1}, gates),
         switch_stage({"count": 1}, gates),
@@ -485,7 +503,9 @@ def test_good_version_reaches_every_device_through_three_stages(
     assert [d["stage"] for d in by_stage] == [0, 1, 2]
     told = [datetime.fromisoformat(d["told_at"]).timestamp() for d in by_stage]
     assert told[1] - told[0] >= BAKE_S and told[2] - told[1] >= BAKE_S, told
-    kinds = [(e["kind"], e["stage"]) for e in fleet.history(rollout_id)]
+    history = fleet.history(rollout_id)
+    print("\n".join(e["reason"] for e in history if e["kind"] == "gate_passed"))
+    kinds = [(e["kind"], e["stage"]) for e in history]
     for stage in range(3):
         assert ("stage_started", stage) in kinds and ("stage_passed", stage) in kinds, kinds
         assert kinds.count(("gate_passed", stage)) == 3, kinds
@@ -497,25 +517,26 @@ class Fault:
     write: Callable[[Path, Path], Path]
     metric: str
     marked_every: int
-    latency_ceiling: float
 
 
 FAULTS = {
-    "fails-warm-up": Fault(write_warmup_failing_onnx, "install_failure_rate", 0, NOISE_CEILING),
-    "errors-on-20-percent": Fault(write_erroring_onnx, "error_rate", ERROR_EVERY, NOISE_CEILING),
-    "slow-at-p95": Fault(write_slow_onnx, "latency_p95_ratio", 0, LATENCY_CEILING),
+    "fails-warm-up": Fault(write_warmup_failing_onnx, "install_failure_rate", 0),
+    "errors-on-20-percent": Fault(write_erroring_onnx, "error_rate", ERROR_EVERY),
+    "slow-at-p95": Fault(
+        lambda src, dst: write_slow_onnx(src, dst, repeats=SLOW_REPEATS), "latency_p95_ratio", 0
+    ),
 }
 
 
 @pytest.mark.parametrize("fault_name", list(FAULTS))
 def test_bad_version_is_stopped_at_the_first_stage_and_rolled_back(
-    fleet: Fleet, digits: DigitsModels, tmp_path: Path, fault_name: str
+    fleet: Fleet, digits: DigitsModels, steady: Path, tmp_path: Path, fault_name: str
 ) -> None:
     fault = FAULTS[fault_name]
     model = f"digits-{fault_name}"
-    bad = fault.write(digits.onnx_path, tmp_path / f"{model}.onnx")
-    _publish_pair(fleet, model, digits.onnx_path, bad)
-    gates = three_gates(fault.latency_ceiling)
+    bad = fault.write(steady, tmp_path / f"{model}.onnx")
+    _publish_pair(fleet, model, steady, bad)
+    gates = three_gates()
     stages = [
         switch_stage({"count": 1}, gates),
         switch_stage({"count": 1}, gates),
@@ -540,6 +561,7 @@ def test_bad_version_is_stopped_at_the_first_stage_and_rolled_back(
     assert done["stage"] == 0, done
     history = fleet.history(rollout_id)
     failed = [e["reason"] for e in history if e["kind"] == "gate_failed"]
+    print("\n".join(failed))
     assert failed and all(r.startswith(f"gate {fault.metric} fails") for r in failed), history
     assert not [e for e in history if e["kind"] == "stage_started" and e["stage"] != 0], history
     phases = fleet.devices(rollout_id)
@@ -547,11 +569,12 @@ def test_bad_version_is_stopped_at_the_first_stage_and_rolled_back(
     assert all(phases[d]["phase"] == "waiting" and phases[d]["told_at"] is None for d in untouched)
 
     # The first stage's device ran into the defect, and is back on 1.0.0 by itself.
-    touched_events = {
-        (e["version"], e["phase"], e["outcome"]) for e in fleet.events(touched, model)
-    }
+    touched_events = [e for e in fleet.events(touched, model) if e["version"] == NEW]
     if fault.metric == "install_failure_rate":
-        assert (NEW, "warming", "error") in touched_events, touched_events
+        # The agent's warm-up runs while it loads the version, before it serves it.
+        failures = [e for e in touched_events if e["outcome"] == "error"]
+        assert failures and "warm-up failed" in failures[0]["message"], touched_events
+        assert failures[0]["phase"] == "loading", failures
         assert set(traffic.versions(touched)) == {OLD}  # the broken version never answered
         assert traffic.failures(touched) == []
     else:
@@ -565,7 +588,8 @@ def test_bad_version_is_stopped_at_the_first_stage_and_rolled_back(
     for device in untouched:
         desired = fleet.desired(device)
         assert desired["seq"] == seq_before[device], device
-        assert NEW not in json.dumps(desired["envelope"]["signed"]["models"]), desired
+        (entry,) = [m for m in desired["envelope"]["signed"]["models"] if m["name"] == model]
+        assert entry["stable"]["version"] == OLD and NEW not in json.dumps(entry), entry
         assert not [e for e in fleet.events(device, model) if e["version"] == NEW], device
         assert NEW not in fleet.status(device, model).get("installed_versions", []), device
         assert set(traffic.versions(device)) == {OLD} and traffic.failures(device) == [], device
@@ -590,7 +614,11 @@ def test_pause_holds_the_rollout_and_resume_finishes_it(fleet: Fleet, digits: Di
     x = digits.X_test[:1]
     seq_before = {d: fleet.desired(d)["seq"] for d in DEVICES}
     rollout_id = fleet.create(
-        model, [switch_stage({"count": 1}, []), switch_stage({"percent": 100}, [])]
+        model,
+        [
+            switch_stage({"count": 1}, [], COMMAND_BAKE_S),
+            switch_stage({"percent": 100}, [], COMMAND_BAKE_S),
+        ],
     )
     stages_of = fleet.stage_of(rollout_id)
     (first,), rest = stages_of[0], stages_of[1]
@@ -608,7 +636,7 @@ def test_pause_holds_the_rollout_and_resume_finishes_it(fleet: Fleet, digits: Di
         for device in rest:
             assert fleet.desired(device)["seq"] == seq_before[device], device
 
-    _holds(still_paused, BAKE_S + 2 * STATS_INTERVAL_S)
+    _holds(still_paused, COMMAND_BAKE_S + 2 * STATS_INTERVAL_S)
     assert [answered_by(fleet, d, model, x) for d in rest] == [OLD] * len(rest)
 
     resumed = fleet.command(rollout_id, "resume", reason="go on")
@@ -629,7 +657,7 @@ def test_abort_leaves_every_device_where_it_stands(fleet: Fleet, digits: DigitsM
     seq_before = {d: fleet.desired(d)["seq"] for d in DEVICES}
     rollout_id = fleet.create(
         model,
-        [switch_stage({"count": 1}, [], LONG_BAKE_S), switch_stage({"percent": 100}, [])],
+        [switch_stage({"count": 1}, [], LONG_BAKE_S), switch_stage({"percent": 100}, [], 0)],
     )
     stages_of = fleet.stage_of(rollout_id)
     (first,), rest = stages_of[0], stages_of[1]
@@ -698,7 +726,7 @@ def test_manual_rollback_returns_every_touched_device(fleet: Fleet, digits: Digi
         [
             switch_stage({"count": 1}, [], LONG_BAKE_S),
             switch_stage({"count": 1}, [], LONG_BAKE_S),
-            switch_stage({"percent": 100}, []),
+            switch_stage({"percent": 100}, [], 0),
         ],
     )
     stages_of = fleet.stage_of(rollout_id)
