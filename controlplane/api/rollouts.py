@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from mcp_edge.controlplane.api.common import (
     ApiError,
@@ -39,6 +39,7 @@ from mcp_edge.controlplane.deployments import (
     UnknownDeviceError,
     UnknownVersionError,
 )
+from mcp_edge.controlplane.rollouts import spec as spec_rules
 from mcp_edge.controlplane.rollouts.service import (
     RolloutConflictError,
     RolloutDetail,
@@ -47,8 +48,9 @@ from mcp_edge.controlplane.rollouts.service import (
     RolloutService,
 )
 from mcp_edge.controlplane.rollouts.spec import SpecError
-from mcp_edge.shared.protocol.base import Identifier, Labels, VersionText
+from mcp_edge.shared.protocol.base import Identifier, Labels
 from mcp_edge.shared.protocol.command import ErrorCode
+from mcp_edge.shared.version import MAX_VERSION_LENGTH, SEMVER_PATTERN
 
 ROLLOUTS = web.AppKey("rollouts", RolloutService)
 Metric = Literal["install_failure_rate", "error_rate", "latency_p95_ratio", "agreement", "drift"]
@@ -59,52 +61,90 @@ STATUSES = (
 
 
 # ---------------------------------------------------------------------------- schemas
-class TargetIn(Request):
-    """Which devices; every criterion given must hold."""
+Semver = Annotated[
+    str,
+    StringConstraints(pattern=SEMVER_PATTERN, max_length=MAX_VERSION_LENGTH),
+]
 
-    devices: Annotated[list[Identifier], Field(max_length=10_000, default_factory=list)]
+
+class TargetIn(Request):
+    """Which devices; every criterion given must hold (at least one must be given)."""
+
+    devices: Annotated[
+        list[Identifier], Field(max_length=spec_rules.MAX_DEVICES, default_factory=list)
+    ]
     group: Identifier | None = None
     labels: Labels | None = None
-    profiles: Annotated[list[Identifier], Field(max_length=64, default_factory=list)]
+    profiles: Annotated[
+        list[Identifier], Field(max_length=spec_rules.MAX_PROFILES, default_factory=list)
+    ]
 
 
 class GateIn(Request):
     metric: Metric
     threshold: float = Field(
-        description="a ceiling (rates, latency ratio, drift) or, for agreement, a floor"
+        description="a ceiling (rates 0..1, latency ratio up to 100, drift) or, for "
+        "agreement, a floor; one that can never fail is refused"
     )
-    min_devices: int = Field(default=1, description="valid device reports needed to judge")
-    min_requests: int = Field(default=100, description="requests needed to judge")
+    min_devices: int = Field(
+        default=1, ge=1, le=spec_rules.MAX_MIN_DEVICES, description="valid reports to judge"
+    )
+    min_requests: int = Field(
+        default=100, ge=0, le=spec_rules.MAX_MIN_REQUESTS, description="requests to judge"
+    )
     on_fail: Literal["rollback", "pause"] = "rollback"
     dry_run: bool = Field(default=False, description="evaluated and shown, never acting")
 
 
 class StageIn(Request):
-    count: int | None = Field(default=None, description="devices in this stage")
-    percent: float | None = Field(default=None, description="share of the target, 0..100")
+    """Exactly one of ``count`` and ``percent``."""
+
+    count: int | None = Field(default=None, ge=1, description="devices in this stage")
+    percent: float | None = Field(
+        default=None, gt=0, le=100, description="share of the target, 0..100"
+    )
     mode: Literal["switch", "canary", "shadow"] = "switch"
-    weight: float = Field(default=0.1, description="canary share of routed requests")
-    bake_s: float = Field(default=300.0, description="seconds settled before the gates decide")
+    weight: float = Field(
+        default=0.1, gt=0, lt=1, description="canary share of routed requests (canary only)"
+    )
+    bake_s: float = Field(
+        default=300.0,
+        ge=0,
+        le=spec_rules.MAX_BAKE_S,
+        description="seconds settled before the gates decide",
+    )
     prefetch: bool = Field(default=False, description="download and verify first, then switch")
     approval: bool = Field(default=False, description="a human approves before it starts")
-    gates: Annotated[list[GateIn], Field(max_length=16, default_factory=list)]
+    gates: Annotated[list[GateIn], Field(max_length=spec_rules.MAX_GATES, default_factory=list)]
 
 
 class RateIn(Request):
-    per_minute: float | None = Field(default=None, description="devices told per minute")
-    growth: float = Field(default=1.0, description="the limit's factor per stage")
+    per_minute: float | None = Field(
+        default=None,
+        gt=0,
+        le=spec_rules.MAX_PER_MINUTE,
+        description="devices told per minute; null: no limit",
+    )
+    growth: float = Field(
+        default=1.0, ge=1, le=spec_rules.MAX_GROWTH, description="the limit's factor per stage"
+    )
 
 
 class RolloutCreate(Request):
-    """A rollout of ``version`` over ``target`` in ``stages`` (their sizes add up to it)."""
+    """A rollout of ``version`` over ``target`` in ``stages``. Rules beyond this schema
+    (docs/rollouts.md): the stage sizes add up to the target, one gate per metric and stage,
+    agreement gates in shadow stages only, a weight on canary stages only."""
 
     model: Identifier
-    version: VersionText
+    version: Semver
     target: TargetIn
-    stages: Annotated[list[StageIn], Field(min_length=1, max_length=50)]
+    stages: Annotated[list[StageIn], Field(min_length=1, max_length=spec_rules.MAX_STAGES)]
     rate: RateIn = RateIn()
     device_timeout_s: float = Field(
-        default=600.0, description="a device not settled by then is skipped"
+        default=600.0,
+        ge=spec_rules.MIN_DEVICE_TIMEOUT_S,
+        le=spec_rules.MAX_DEVICE_TIMEOUT_S,
+        description="a device not settled by then is skipped",
     )
 
 
@@ -261,7 +301,9 @@ async def create_rollout(request: web.Request) -> web.Response:
     service, who = _service(request), principal_of(request)
     body = await read_body(request, RolloutCreate)
     try:
-        detail = await service.create(body.model_dump(exclude_unset=True), actor=who.actor)
+        detail = await service.create(
+            body.model_dump(exclude_unset=True, exclude_none=True), actor=who.actor
+        )
     except (RolloutError, DeploymentError, SpecError) as e:
         raise _translate(e) from e
     return json_response(RolloutResult(rollout=rollout_out(detail)), 201)

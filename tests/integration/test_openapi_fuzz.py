@@ -59,6 +59,12 @@ BEYOND_THE_SCHEMA = {
     "POST /api/v1/preauthorizations": re.compile(r"^public_key: "),
     "POST /api/v1/deployments": re.compile(r"must differ from the stable version"),
     "PATCH /api/v1/devices/{device_id}/labels": re.compile(r"both set and removed"),
+    # The rollout spec's rules across fields (controlplane.rollouts.spec).
+    "POST /api/v1/rollouts": re.compile(
+        r"can never fail|needs a shadow stage|exactly one of count or percent|"
+        r"applies to canary stages only|one per metric and stage|percents sum to|"
+        r"last stage must be a percent stage|the target selects nothing|listed twice"
+    ),
 }
 # Every operation: no string may hold a NUL character (the document's description says so).
 NUL_REFUSED = re.compile(r"contains a NUL character")
