@@ -470,13 +470,19 @@ class RolloutService:
         self._wake.set()
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
+            began = loop.time()
             try:
                 await self.run_once()
             except Exception:  # the loop must outlive any one failing round
                 log.exception("rollout round failed; trying again")
+            # A round over thousands of devices takes a while: rest at least twice as long, so
+            # the loop keeps to a third of the process while ingestion and the repository serve
+            # the devices it moved. A command or a create wakes it at once.
+            rest = max(self._interval_s, 2 * (loop.time() - began))
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._interval_s)
+                await asyncio.wait_for(self._wake.wait(), rest)
             self._wake.clear()
 
     async def run_once(self) -> int:
