@@ -47,7 +47,7 @@ HOST = "127.0.0.1"
 DEVICES = ("cam-1", "cam-2")
 GROUP = "demo"
 MODEL = "digits"
-VERSIONS = {"1.0.0": 32, "1.1.0": 64}  # version -> hidden units of the MLP
+VERSIONS = {"1.0.0": 32, "1.1.0": 64, "1.2.0": 48}  # version -> hidden units of the MLP
 APP_CLIENT = "demo-app"
 MARKER = ".mcp-demo"  # marks a directory this script made, so only such a one is wiped
 N_SAMPLES = 5
@@ -647,6 +647,50 @@ class Demo:
                 f"{ms:>6}  {detail}"
             )
 
+    def rollout(self) -> None:
+        self.step(
+            f"Roll {MODEL} 1.2.0 out to group '{GROUP}' in two stages: one device first, gated "
+            "on install failures, then the rest"
+        )
+        answer = json.loads(
+            self.cli(
+                "mcp-controlplane",
+                "rollouts",
+                "create",
+                MODEL,
+                "1.2.0",
+                "--group",
+                GROUP,
+                "--stage",
+                "1:bake=3s:gate=install_failure_rate<0.5,min_devices=1",
+                "--stage",
+                "rest:bake=0s",
+                "--json",
+            )
+        )
+        rollout_id = str(answer["id"])
+        self.step(f"Watch rollout {rollout_id}: stages, devices and gates until it ends")
+        out = self.cli(
+            "mcp-controlplane", "rollouts", "watch", rollout_id, "--interval", "0.5s",
+            timeout_s=180,
+        )  # fmt: skip
+        say("    " + out.strip().replace("\n", "\n    "))
+        shown = self.api(f"/api/v1/rollouts/{rollout_id}")["rollout"]
+        self.check(shown["status"] == "succeeded", f"rollout {rollout_id}: {shown['reason']}")
+        for name in DEVICES:
+            url = f"http://{HOST}:{self.agent_ports[name]}/v2/models/{MODEL}/infer"
+            self.wait_for(
+                f"{name} answering with 1.2.0",
+                lambda url=url: self._answering(url) == "1.2.0",
+                60,
+                self.logs / f"{name}.log",
+            )
+        say(f"    rollout {rollout_id} succeeded: cam-1 and cam-2 run {MODEL} 1.2.0")
+
+    def _answering(self, url: str) -> str | None:
+        status, answer = http_json(url, body=self.infer_body())
+        return str(answer.get("model_version")) if status == 200 else None
+
     def summary(self) -> None:
         ports = self.agent_ports
         pids = {s.name: s.process.pid for s in self.services}
@@ -654,8 +698,8 @@ class Demo:
 The fleet is running. Logs: {_short(str(self.logs))}/
   control plane  {self.cp_url}   (admin API token: {self.token})
   broker         mqtt://{HOST}:{self.broker_port}
-  cam-1          http://{HOST}:{ports["cam-1"]}   ({MODEL} 1.1.0, pid {pids["cam-1"]})
-  cam-2          http://{HOST}:{ports["cam-2"]}   ({MODEL} 1.0.0, pid {pids["cam-2"]})
+  cam-1          http://{HOST}:{ports["cam-1"]}   ({MODEL} 1.2.0, pid {pids["cam-1"]})
+  cam-2          http://{HOST}:{ports["cam-2"]}   ({MODEL} 1.2.0, pid {pids["cam-2"]})
 
 Try, in another terminal:
   export PATH={self.bin}:$PATH MCP_SERVER={self.cp_url} MCP_TOKEN={self.token}
@@ -665,7 +709,9 @@ Try, in another terminal:
   curl -s -H 'Content-Type: application/json' \\
     -d @{_short(str(self.work / "model/request.json"))} \\
     http://{HOST}:{ports["cam-2"]}/v2/models/{MODEL}/infer
-  mcp-controlplane deploy {MODEL} 1.1.0 --group {GROUP}          # cam-2 follows
+  mcp-controlplane rollouts list
+  mcp-controlplane rollouts history 1
+  mcp-controlplane rollouts rollback 1 --reason "try it"       # both go back where they were
   mcp-controlplane deploy {MODEL} 1.0.0 --device cam-1 --rollback
   mcp-agent updates --state-dir {_short(str(self.work / "agents/cam-1"))}
 """)
@@ -714,6 +760,7 @@ Try, in another terminal:
         self.mqtt_inference()
         self.hot_swap()
         self.report()
+        self.rollout()
 
 
 def _prepare_work_dir(work: Path, keep: bool) -> None:

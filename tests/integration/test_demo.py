@@ -2,7 +2,8 @@
 
 One run does the whole loop with real processes (Mosquitto with dynamic security, the control
 plane on SQLite, two enrolled agents): both devices serve digits 1.0.0 over HTTP and MQTT, cam-1
-moves to 1.1.0 under load without a failed request, and everything stops at the end.
+moves to 1.1.0 under load without a failed request, a two-stage rollout takes both to 1.2.0,
+and everything stops at the end.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def test_demo_smoke_runs_the_fleet_loop_and_stops_everything(tmp_path: Path) -> 
     assert re.search(r"cam-2: \d+ requests answered \(\d+ by 1\.0\.0\), 0 failed", out), out
     assert "cam-1 moved to digits 1.1.0 with 0 failed requests" in out
     assert re.search(r"\d+\s+1\.1\.0\s+active\s+ok", out), out  # the flight recorder
+    assert "rollout 1 succeeded: cam-1 and cam-2 run digits 1.2.0" in out
+    assert re.search(r"gate_passed\s+stage 1\s+system: gate install_failure_rate passes", out), out
     assert "demo: every step worked" in out
     assert "agents, control plane and broker stopped" in out
 
