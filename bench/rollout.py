@@ -137,34 +137,45 @@ def ensure_fleet(stack: Stack, fleet: Path, sizes: list[int]) -> dict[str, Any]:
             start = max(lo, have)
             labels = [f"--label={size_label(n)}=yes" for n in bounds if n >= hi]
             sim_enroll(stack.url, stack.token, hi - start, fleet, "--group", GROUP,
-                       "--concurrency", "64", *labels, timeout_s=6 * 3600)  # fmt: skip
+                       "--concurrency", "16", "--timeout", "600", *labels,
+                       timeout_s=6 * 3600)  # fmt: skip
             have = hi
         lo = hi
     return {"devices_before": before, "devices": len(load_devices(fleet)),
             "enroll_s": round(time.monotonic() - started, 1)}  # fmt: skip
 
 
-def ensure_labels(stack: Stack, fleet: Path, sizes: list[int]) -> int:
-    """Give the first N devices the label ``in-N=yes`` where an earlier setup, made for other
-    sizes, did not (``PATCH /api/v1/devices/{id}/labels``); return how many were patched."""
+def ensure_labels(stack: Stack, fleet: Path, sizes: list[int]) -> dict[str, int]:
+    """Make the label ``in-N=yes`` name exactly the first N devices of the fleet, for each N
+    (``PATCH /api/v1/devices/{id}/labels``): devices an earlier setup enrolled for other sizes
+    get it, and devices the control plane holds but the fleet does not (an enrollment whose
+    answer never came back) lose it. Returns how many devices were changed each way."""
     devices = load_devices(fleet)
-    patched = 0
+    changed = {"labelled": 0, "unlabelled": 0}
     for n in sizes:
         label = size_label(n)
-        code, body = api(stack.url, stack.token, "GET",
-                         f"/api/v1/devices?label={label}=yes&limit=1")  # fmt: skip
-        if code == 200 and int(body["total"]) == n:
-            continue
-        for record in devices[:n]:
-            if record.labels.get(label) == "yes":
-                continue
-            code, body = api(stack.url, stack.token, "PATCH",
-                             f"/api/v1/devices/{record.device_id}/labels",
-                             {"set": {label: "yes"}, "remove": []})  # fmt: skip
+        want = {d.device_id for d in devices[:n]}
+        have: set[str] = set()
+        offset = 0
+        while True:
+            code, body = api(stack.url, stack.token, "GET",
+                             f"/api/v1/devices?label={label}=yes&limit=1000&offset={offset}")  # fmt: skip
             if code != 200:
-                raise RuntimeError(f"labelling {record.device_id} failed ({code}): {body}")
-            patched += 1
-    return patched
+                raise RuntimeError(f"listing devices labelled {label} failed ({code}): {body}")
+            have.update(d["id"] for d in body["items"])
+            offset += len(body["items"])
+            if not body["items"] or offset >= int(body["total"]):
+                break
+        for device_id, patch, kind in [
+            *((d, {"set": {label: "yes"}, "remove": []}, "labelled") for d in sorted(want - have)),
+            *((d, {"set": {}, "remove": [label]}, "unlabelled") for d in sorted(have - want)),
+        ]:
+            code, body = api(stack.url, stack.token, "PATCH",
+                             f"/api/v1/devices/{device_id}/labels", patch)  # fmt: skip
+            if code != 200:
+                raise RuntimeError(f"labelling {device_id} failed ({code}): {body}")
+            changed[kind] += 1
+    return changed
 
 
 def next_versions(stack: Stack) -> list[str]:

@@ -71,9 +71,13 @@ def main(verbose: bool) -> None:
               help="Hardware profile the devices claim.")  # fmt: skip
 @click.option("--concurrency", default=8, show_default=True, type=click.IntRange(1, 256),
               help="Enrollment requests in flight.")  # fmt: skip
+@click.option("--timeout", "timeout_s", default=120.0, show_default=True,
+              type=click.FloatRange(1, 3600),
+              help="Seconds one request may take before it is asked again.")  # fmt: skip
 def enroll_command(
     control_plane: str, token: str, devices: int, state_dir: Path, group: str | None,
     labels: tuple[str, ...], preauthorize: bool, prefix: str, profile: str, concurrency: int,
+    timeout_s: float,
 ) -> None:  # fmt: skip
     """Enroll N simulated devices, each with its own Ed25519 key, as `mcp-agent enroll` does.
 
@@ -88,7 +92,7 @@ def enroll_command(
         plan = EnrollPlan(
             control_plane=control_plane, token=token, devices=devices, state_dir=state_dir,
             group=group, labels=parse_labels(labels), prefix=prefix, profile=profile,
-            preauthorize=preauthorize, concurrency=concurrency,
+            preauthorize=preauthorize, concurrency=concurrency, timeout_s=timeout_s,
         )  # fmt: skip
 
         def progress(done: int, wanted: int, seconds: float) -> None:

@@ -15,18 +15,21 @@ The token decides how devices get in:
   ``preauthorize``, each device's key is accepted in advance (``POST
   /api/v1/preauthorizations``) and the device then enrolls with no enrollment token.
 
-A control plane that answers 503 (database or broker busy) is asked again after a short
-backoff; any other refusal stops the enrollment with :class:`SimEnrollError` (devices enrolled
-so far stay in the state directory).
+A control plane that answers 503 (database or broker busy) or does not answer within
+``timeout_s`` is asked again, with a fresh nonce, after a short backoff (a request that timed
+out may still have been carried out: the control plane then answers the repeat for the same
+key with the device it already has); any other refusal stops the enrollment with
+:class:`SimEnrollError` (devices enrolled so far stay in the state directory).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -64,11 +67,22 @@ PREAUTHORIZED_TOKEN = "preauthorized-key"
 FACTS: Mapping[str, Any] = {"os": "linux", "cpu_count": 4, "simulated": True}
 BATCH = 200
 """Devices written to ``devices.jsonl`` at a time."""
-RETRIES_503 = 8
+RETRIES = 8
+MAX_TAKEN = 1000
+"""Taken device ids skipped before giving up."""
+"""Attempts after a 503 or a timeout, per device."""
 
 
 class SimEnrollError(McpError):
     """The control plane refused an enrollment or could not be reached."""
+
+
+class _NoAnswer(SimEnrollError):
+    """An enrollment request got no answer within the timeout (it is asked again)."""
+
+
+class _IdTaken(SimEnrollError):
+    """The control plane holds the device id for another key."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +99,8 @@ class EnrollPlan:
     profile: str = "generic-x86_64"
     preauthorize: bool = False
     concurrency: int = 8
-    timeout_s: float = 30.0
+    timeout_s: float = 120.0
+    """Per request; Mosquitto 2.0 makes enrollments slow on a large fleet (docs/simulator.md)."""
 
     def __post_init__(self) -> None:
         if self.token.startswith(ENROLLMENT_TOKEN_PREFIX):
@@ -121,7 +136,9 @@ async def enroll_fleet(
     state_dir = plan.state_dir
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     existing = {d.device_id for d in load_devices(state_dir)}
-    ids = _new_ids(plan.prefix, existing, plan.devices)
+    ids = _new_ids(plan.prefix, existing)
+    wanted = plan.devices
+    skipped = 0
     base = plan.control_plane.rstrip("/")
     started = time.monotonic()
     records: list[DeviceRecord] = []
@@ -134,16 +151,25 @@ async def enroll_fleet(
         token = plan.token
         if token.startswith(API_TOKEN_PREFIX) and not plan.preauthorize:
             token = await _create_token(http, base, plan)
-        queue: asyncio.Queue[str] = asyncio.Queue()
-        for device_id in ids:
-            queue.put_nowait(device_id)
+        started_count = 0
         last_note = started
 
         async def worker() -> None:
-            nonlocal done, last_note
-            while not queue.empty():
-                device_id = queue.get_nowait()
-                record, answer = await _enroll_one(http, base, plan, token, device_id)
+            nonlocal done, last_note, started_count, skipped
+            while started_count < wanted:
+                started_count += 1
+                device_id = next(ids)
+                try:
+                    record, answer = await _enroll_one(http, base, plan, token, device_id)
+                except _IdTaken:
+                    # The control plane has this id for another key (an earlier enrollment
+                    # whose answer never came back): take the next free one.
+                    skipped += 1
+                    started_count -= 1
+                    if skipped > MAX_TAKEN:
+                        raise SimEnrollError(f"{skipped} device ids under {plan.prefix}- are "
+                                             "taken at the control plane; use --prefix") from None  # fmt: skip
+                    continue
                 done += 1
                 if record is None:
                     pending.append(device_id)
@@ -156,7 +182,7 @@ async def enroll_fleet(
                 now = time.monotonic()
                 if progress is not None and now - last_note >= 5.0:
                     last_note = now
-                    progress(done, len(ids), now - started)
+                    progress(done, wanted, now - started)
 
         workers = [asyncio.create_task(worker()) for _ in range(plan.concurrency)]
         try:
@@ -169,15 +195,12 @@ async def enroll_fleet(
     return EnrollResult(enrolled, pending, time.monotonic() - started, len(existing) + enrolled)
 
 
-def _new_ids(prefix: str, taken: set[str], n: int) -> list[str]:
-    ids: list[str] = []
-    i = 0
-    while len(ids) < n:
+def _new_ids(prefix: str, taken: set[str]) -> Iterator[str]:
+    """``prefix-00000``, ``prefix-00001``, ... skipping the ids in ``taken``."""
+    for i in itertools.count():
         candidate = f"{prefix}-{i:05d}"
         if candidate not in taken:
-            ids.append(candidate)
-        i += 1
-    return ids
+            yield candidate
 
 
 def _keep_trust(
@@ -198,7 +221,7 @@ def _keep_trust(
 
 async def _create_token(http: aiohttp.ClientSession, base: str, plan: EnrollPlan) -> str:
     body = {
-        "group": plan.group, "labels": dict(plan.labels), "max_uses": plan.devices,
+        "group": plan.group, "labels": dict(plan.labels), "max_uses": plan.devices + 100,
         "expires_in_s": 24 * 3600, "description": f"mcp-sim enroll of {plan.devices} devices",
     }  # fmt: skip
     status, doc = await _call(http, "POST", f"{base}/api/v1/enrollment-tokens", body, plan.token)
@@ -228,17 +251,27 @@ async def _enroll_one(
         agent_version=agent_version,
     )  # fmt: skip
     envelope = sign_enrollment(request, key)
-    for attempt in range(RETRIES_503 + 1):
-        status, raw = await _post_raw(http, f"{base}/api/v1/enroll", envelope)
-        if status != 503 or attempt == RETRIES_503:
+    for attempt in range(RETRIES + 1):
+        try:
+            status, raw = await _post_raw(http, f"{base}/api/v1/enroll", envelope)
+        except _NoAnswer:
+            if attempt == RETRIES:
+                raise
+            status, raw = 503, b""
+        if status != 503 or attempt == RETRIES:
             break
         await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-        # A fresh nonce for the retry: the first one may have been remembered.
-        request = request.model_copy(update={"nonce": new_nonce()})
+        # A fresh nonce and time for the retry: the first nonce may have been remembered.
+        request = request.model_copy(
+            update={"nonce": new_nonce(), "timestamp": datetime.now(timezone.utc)}
+        )
         envelope = sign_enrollment(request, key)
     if status != 200:
+        reason = _reason(_json_or_none(raw))
+        if status == 409 and ("belongs to another key" in reason or "not available" in reason):
+            raise _IdTaken(reason)
         raise SimEnrollError(f"{base} refused the enrollment of {device_id} ({status}): "
-                             f"{_reason(_json_or_none(raw))}")  # fmt: skip
+                             f"{reason}")  # fmt: skip
     try:
         answer = decode(raw, EnrollmentAnswer)
     except MessageError as e:
@@ -263,7 +296,7 @@ async def _post_raw(
     except aiohttp.ClientError as e:
         raise SimEnrollError(f"cannot reach {url}: {e}") from e
     except asyncio.TimeoutError as e:
-        raise SimEnrollError(f"{url} did not answer in time") from e
+        raise _NoAnswer(f"{url} did not answer in time") from e
 
 
 async def _call(
