@@ -63,7 +63,8 @@ BEYOND_THE_SCHEMA = {
     "POST /api/v1/rollouts": re.compile(
         r"can never fail|needs a shadow stage|exactly one of count or percent|"
         r"applies to canary stages only|one per metric and stage|percents sum to|"
-        r"last stage must be a percent stage|the target selects nothing|listed twice"
+        r"last stage must be a percent stage|the target selects nothing|listed twice|"
+        r"\.threshold: .* is out of range"  # each metric's own range
     ),
 }
 # Every operation: no string may hold a NUL character (the document's description says so).
