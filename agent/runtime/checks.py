@@ -1,5 +1,5 @@
-"""Warm-up and answer checks: synthetic inputs from a signature, output validation, and the
-agreement test shadow mode uses."""
+"""Warm-up and answer checks: synthetic inputs from a signature and output validation (the
+agreement test shadow mode uses is :func:`agent.runtime.canary.answers_agree`)."""
 
 from __future__ import annotations
 
@@ -17,24 +17,6 @@ from mcp_edge.agent.runtime.runner import (
     RunnerError,
     RunnerInfo,
 )
-
-
-def outputs_agree(a: dict[str, Array], b: dict[str, Array]) -> bool:
-    """Two answers agree when every shared output has the same top class (scores of rank ≥ 2)
-    or is close elementwise (anything else)."""
-    common = a.keys() & b.keys()
-    if not common:
-        return False
-    for name in common:
-        x, y = a[name], b[name]
-        if x.shape != y.shape:
-            return False
-        if x.ndim >= 2 and x.dtype.kind == "f" and x.shape[-1] > 1:
-            if not np.array_equal(x.argmax(axis=-1), y.argmax(axis=-1)):
-                return False
-        elif not np.allclose(x, y, rtol=1e-3, atol=1e-5, equal_nan=False):
-            return False
-    return True
 
 
 def synthetic_inputs(info: RunnerInfo, batch: int) -> dict[str, Array]:
