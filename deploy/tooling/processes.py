@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -143,19 +144,27 @@ def serve_control_plane(
     procs: list[subprocess.Popen[str]],
     *,
     env: dict[str, str] | None = None,
-    stderr: int = subprocess.PIPE,
+    stderr: int | None = None,
 ) -> tuple[subprocess.Popen[str], str]:
     """Start ``mcp-controlplane serve`` of ``data`` on a free port (appended to ``procs``) and
-    return it with the URL it printed once listening. Raises AssertionError (with its stderr,
-    when piped) if it exits instead."""
-    proc = subprocess.Popen(
-        [*CONTROLPLANE, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
-        stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=REPO, env=env or process_env(),
-    )  # fmt: skip
+    return it with the URL it printed once listening. Its log goes to ``stderr`` when given, else
+    to ``{data}.serve.log`` beside the data dir (never to a pipe nobody reads: a full pipe would
+    stall the server). Raises AssertionError (with the log's end) if it exits instead."""
+    log_path = data.parent / f"{data.name}.serve.log"
+    with contextlib.ExitStack() as stack:
+        target = stderr if stderr is not None else stack.enter_context(log_path.open("ab"))
+        proc = subprocess.Popen(
+            [*CONTROLPLANE, "serve", "--data-dir", str(data), "--listen", f"127.0.0.1:{free_port()}"],
+            stdout=subprocess.PIPE, stderr=target, text=True, cwd=REPO, env=env or process_env(),
+        )  # fmt: skip
     procs.append(proc)
     assert proc.stdout is not None
     url = proc.stdout.readline().strip()
     if not url.startswith("http://"):
-        why = proc.stderr.read() if proc.stderr is not None and proc.poll() is not None else url
+        why = url
+        if proc.poll() is not None and stderr is None:
+            why = log_path.read_text(errors="replace")[-4000:]
+        elif proc.poll() is not None and proc.stderr is not None:
+            why = proc.stderr.read()
         raise AssertionError(f"mcp-controlplane serve did not start: {why}")
     return proc, url
