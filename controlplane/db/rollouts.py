@@ -299,7 +299,8 @@ async def insert_devices(tx: Tx, rollout_id: int, rows: Sequence[Mapping[str, An
 
 async def update_devices(tx: Tx, rollout_id: int, rows: Sequence[Mapping[str, Any]]) -> None:
     """Replace the changed device rows of a rollout (each dict: every column but
-    ``rollout_id``), as one executemany upsert."""
+    ``rollout_id``; its ``moves`` is what to add to the stored count), as one executemany
+    upsert."""
     if not rows:
         return
     table: Any = (
@@ -307,10 +308,13 @@ async def update_devices(tx: Tx, rollout_id: int, rows: Sequence[Mapping[str, An
         if tx.get_bind().dialect.name == "sqlite"
         else postgresql.insert(DEVICES)
     )
-    columns = ("stage", "phase", "since", "told_at", "from_version", "mode", "moves")
+    columns = ("stage", "phase", "since", "told_at", "from_version", "mode")
     stmt = table.on_conflict_do_update(
         index_elements=["rollout_id", "device_id"],
-        set_={c: table.excluded[c] for c in columns},
+        set_={
+            **{c: table.excluded[c] for c in columns},
+            "moves": DEVICES.c.moves + table.excluded.moves,
+        },
     )
     await tx.execute(stmt, [{**r, "rollout_id": rollout_id} for r in rows])
 

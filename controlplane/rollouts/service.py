@@ -598,13 +598,8 @@ class RolloutService:
         changed_ids = [
             i for i, p in state.devices.items() if before.devices.get(i) != p or i in moved
         ]
-        changed: list[dict[str, Any]] = []
-        if changed_ids:
-            counts = {d.device_id: d.moves for d in await q.rollout_devices(tx, row.id)}
-            changed = [
-                _device_row(state.devices[i], counts.get(i, 0) + (1 if i in moved else 0))
-                for i in changed_ids
-            ]
+        # ``moves`` of an updated row is added to the stored count (no read of the rows).
+        changed = [_device_row(state.devices[i], 1 if i in moved else 0) for i in changed_ids]
         await q.update_devices(tx, row.id, changed)
         await self._record(tx, row, result, now, actor)
         return True
