@@ -200,6 +200,7 @@ class DeploymentService:
         self._publish_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._failing = False
 
     @property
@@ -543,12 +544,18 @@ class DeploymentService:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="desired-state-upkeep")
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Let the round in progress finish (a task cancelled inside a transaction leaves the
+        pool a connection it cannot reset), at most ``grace_s``; then end the task."""
+        task, self._task = self._task, None
+        if task is not None:
+            self._stopping = True
+            self._wake.set()
+            try:
+                await asyncio.wait_for(task, grace_s)
+            except asyncio.TimeoutError:
+                log.warning("desired-state upkeep ran past %.0f s at shutdown; cancelled", grace_s)
+            self._stopping = False
 
     def wake(self) -> None:
         """Run the background task's next round now."""
@@ -556,7 +563,7 @@ class DeploymentService:
 
     async def _run(self) -> None:
         retry_s = 1.0
-        while True:
+        while not self._stopping:
             try:
                 pending = await self.maintain()
             except Exception:  # the task must outlive any one failing round
@@ -566,6 +573,8 @@ class DeploymentService:
                 wait_s, retry_s = retry_s, min(retry_s * 2, self._interval_s)
             else:
                 wait_s, retry_s = self._interval_s, 1.0
+            if self._stopping:
+                break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), wait_s)
             self._wake.clear()

@@ -244,6 +244,7 @@ class RolloutService:
         self.metrics = RolloutMetrics(registry)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
         self._gauged: set[tuple[str, ...]] = set()
 
     @property
@@ -456,12 +457,19 @@ class RolloutService:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="rollouts")
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+    async def stop(self, grace_s: float = 10.0) -> None:
+        """Let the round in progress finish (a task cancelled inside a transaction leaves the
+        pool a connection it cannot reset), at most ``grace_s``; then end the task and give
+        up this replica's leases."""
+        task, self._task = self._task, None
+        if task is not None:
+            self._stopping = True
+            self._wake.set()
+            try:
+                await asyncio.wait_for(task, grace_s)
+            except asyncio.TimeoutError:
+                log.warning("a rollout round ran past %.0f s at shutdown; cancelled it", grace_s)
+            self._stopping = False
             with contextlib.suppress(Exception):
                 async with self._db.transaction() as tx:
                     await q.release(tx, self._owner)
@@ -471,7 +479,7 @@ class RolloutService:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._stopping:
             began = loop.time()
             try:
                 await self.run_once()
@@ -481,6 +489,8 @@ class RolloutService:
             # the loop keeps to a third of the process while ingestion and the repository serve
             # the devices it moved. A command or a create wakes it at once.
             rest = max(self._interval_s, 2 * (loop.time() - began))
+            if self._stopping:
+                break
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), rest)
             self._wake.clear()
@@ -492,6 +502,8 @@ class RolloutService:
             ids = await q.stepped_rollout_ids(tx)
         written = 0
         for rollout_id in ids:
+            if self._stopping:
+                break
             now = self._clock()
             async with self._db.transaction() as tx:
                 mine = await q.claim(tx, rollout_id, self._owner, now, now + self._lease)
