@@ -6,8 +6,14 @@ baseline and live histograms are always comparable (PSI, chi²). Rules:
 * Inputs are flattened per sample to ``F`` features (float64).
 * ``F <= MAX_PER_FEATURE`` (64): mode ``per_feature``, one histogram per feature named
   ``f0``..``f{F-1}``.
-* More features (images): mode ``summary``, two histograms over per-sample summaries,
-  ``sample_mean`` (brightness) and ``sample_std`` (contrast).
+* More features (images): mode ``summary``, histograms over per-sample summaries,
+  ``sample_mean`` (brightness) and ``sample_std`` (contrast), then a random-projection sketch:
+  ``p0``..``p{k-1}`` (``k`` = :data:`DEFAULT_PROJECTIONS`), each the dot product of the sample
+  with one fixed random unit direction (:func:`projection_matrix`, drawn from
+  ``projection_seed``, stored in the manifest). A shift that keeps mean and std (two pixels
+  sideways, a mirrored image, a changed texture) moves these.
+* :func:`feature_values` turns samples into exactly the values the baseline's histograms
+  describe, one column per baseline feature: the bundle builder and the agent both use it.
 * Each histogram has ``bins`` equal-width bins between the sample min and max of what it
   describes (widened by 0.5 either side when all values are equal); values outside the edges
   fall in the first or last bin.
@@ -32,6 +38,8 @@ from mcp_edge.shared.bundle.manifest import (
 
 MAX_PER_FEATURE = 64
 DEFAULT_BINS = 10
+DEFAULT_PROJECTIONS = 24
+DEFAULT_PROJECTION_SEED = 20_261_201
 CONFIDENCE_EDGES: tuple[float, ...] = tuple(i / 10 for i in range(11))
 
 FloatArray = npt.NDArray[np.float64]
@@ -95,22 +103,67 @@ def as_feature_matrix(samples: npt.ArrayLike) -> FloatArray:
     return matrix
 
 
+def projection_matrix(seed: int, n_features: int, projections: int) -> FloatArray:
+    """The sketch's directions: ``[n_features, projections]``, each column a unit vector drawn
+    from a standard normal by ``numpy.random.Generator(PCG64(seed))`` (column-major draw order:
+    ``standard_normal((projections, n_features)).T``), then divided by its norm. Deterministic
+    for a seed on every platform numpy supports."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    m = rng.standard_normal((projections, n_features)).T
+    norms = np.linalg.norm(m, axis=0, keepdims=True)
+    result: FloatArray = m / np.where(norms == 0, 1.0, norms)
+    return result
+
+
+def feature_values(
+    matrix: FloatArray,
+    *,
+    mode: str,
+    projection_seed: int | None = None,
+    projections: int = 0,
+    directions: FloatArray | None = None,
+) -> FloatArray:
+    """The values a baseline's histograms describe, ``[N, n_baseline_features]``, from a
+    ``[N, F]`` float64 matrix: the matrix itself (``per_feature``), or per sample its mean, its
+    std and its ``projections`` sketch values (``summary``). ``directions``: a precomputed
+    :func:`projection_matrix` (the agent keeps one per model version)."""
+    if mode == "per_feature":
+        return matrix
+    columns = [matrix.mean(axis=1, keepdims=True), matrix.std(axis=1, keepdims=True)]
+    if projections:
+        if directions is None:
+            if projection_seed is None:
+                raise BaselineError("a projection sketch needs its seed")
+            directions = projection_matrix(projection_seed, matrix.shape[1], projections)
+        columns.append(matrix @ directions)
+    return np.hstack(columns)
+
+
 def input_features(
-    matrix: FloatArray, bins: int = DEFAULT_BINS
+    matrix: FloatArray,
+    bins: int = DEFAULT_BINS,
+    *,
+    projections: int = DEFAULT_PROJECTIONS,
+    projection_seed: int = DEFAULT_PROJECTION_SEED,
 ) -> tuple[str, list[FeatureBaseline]]:
-    """Per-feature or summary statistics of a ``[N, F]`` matrix; returns ``(mode, features)``."""
+    """Per-feature or summary statistics of a ``[N, F]`` matrix; returns ``(mode, features)``.
+    ``projections``/``projection_seed``: the sketch of summary mode (0: none)."""
     if not 1 <= bins <= 256:
         raise BaselineError("bins must be between 1 and 256")
+    if not 0 <= projections <= 64:
+        raise BaselineError("projections must be between 0 and 64")
     n_features = matrix.shape[1]
     if n_features <= MAX_PER_FEATURE:
         return "per_feature", [_feature(f"f{i}", matrix[:, i], bins) for i in range(n_features)]
-    return "summary", [
-        _feature("sample_mean", matrix.mean(axis=1), bins),
-        _feature("sample_std", matrix.std(axis=1), bins),
-    ]
+    values = feature_values(
+        matrix, mode="summary", projection_seed=projection_seed, projections=projections
+    )
+    names = ["sample_mean", "sample_std", *(f"p{i}" for i in range(projections))]
+    return "summary", [_feature(n, values[:, i], bins) for i, n in enumerate(names)]
 
 
-def _as_probabilities(scores: FloatArray) -> FloatArray:
+def as_probabilities(scores: FloatArray) -> FloatArray:
+    """``[N, K]`` scores as probabilities: as they are when they already are, else softmax."""
     rows_sum_to_one = np.allclose(scores.sum(axis=1), 1.0, atol=1e-3)
     if (scores >= 0).all() and (scores <= 1).all() and rows_sum_to_one:
         return scores
@@ -127,7 +180,7 @@ def output_distribution(output_name: str, scores: npt.ArrayLike) -> OutputBaseli
         raise BaselineError(f"output {output_name!r}: expected scores of shape [N, K>=2]")
     if not np.isfinite(arr).all():
         raise BaselineError(f"output {output_name!r}: the model answered NaN or infinity")
-    probs = _as_probabilities(arr)
+    probs = as_probabilities(arr)
     classes = np.bincount(probs.argmax(axis=1), minlength=probs.shape[1])
     confidence = probs.max(axis=1)
     return OutputBaseline(
@@ -146,13 +199,17 @@ def compute_baseline(
     output_name: str | None = None,
     scores: npt.ArrayLike | None = None,
     bins: int = DEFAULT_BINS,
+    projections: int = DEFAULT_PROJECTIONS,
+    projection_seed: int = DEFAULT_PROJECTION_SEED,
 ) -> DriftBaseline:
     """The drift baseline of ``samples`` (and of the model's ``scores`` on them, if given).
 
     Raises :class:`BaselineError` when the samples or scores are unusable.
     """
     matrix = as_feature_matrix(samples)
-    mode, features = input_features(matrix, bins)
+    mode, features = input_features(
+        matrix, bins, projections=projections, projection_seed=projection_seed
+    )
     output = None
     if scores is not None:
         if output_name is None:
@@ -165,4 +222,6 @@ def compute_baseline(
         feature_count=int(matrix.shape[1]),
         features=tuple(features),
         output=output,
+        projection_seed=projection_seed if mode == "summary" and projections else None,
+        projections=projections if mode == "summary" else 0,
     )

@@ -270,6 +270,28 @@ class DriftBaseline(_Schema):
     feature_count: int = Field(ge=1)
     features: tuple[FeatureBaseline, ...] = Field(min_length=1, max_length=512)
     output: OutputBaseline | None = None
+    projection_seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
+    """``summary`` mode: the seed of the random-projection sketch (features ``p0``..``p{k-1}``
+    after ``sample_mean`` and ``sample_std``; see :func:`shared.bundle.baseline.projection_matrix`).
+    None: no sketch (bundles built before it)."""
+    projections: int = Field(default=0, ge=0, le=64)
+
+    @model_validator(mode="after")
+    def _sketch(self) -> DriftBaseline:
+        names = [f.name for f in self.features]
+        if len(set(names)) != len(names):
+            raise ValueError("drift baseline features must have distinct names")
+        if self.projections and (self.mode != "summary" or self.projection_seed is None):
+            raise ValueError("a projection sketch needs summary mode and a projection_seed")
+        if self.mode == "per_feature" and names != [f"f{i}" for i in range(self.feature_count)]:
+            raise ValueError("per_feature baselines name their features f0..f{feature_count-1}")
+        if self.mode == "summary":
+            want = ["sample_mean", "sample_std", *(f"p{i}" for i in range(self.projections))]
+            if names != want:
+                raise ValueError(
+                    "summary baselines name their features sample_mean, sample_std, p0..p{k-1}"
+                )
+        return self
 
 
 class BundleManifest(_Schema):

@@ -150,10 +150,34 @@ class DesiredModel(Message):
         return data
 
 
+MAX_HARD_EXAMPLE_BUDGET = 512 * 1024
+"""Raw bytes of hard examples one device sends per request: base64 in a command reply of at
+most 1 MiB (:class:`shared.protocol.command.CommandReply`)."""
+
+
+class DriftPolicy(Message):
+    """How the agent measures drift of the versions it runs (docs/drift.md).
+
+    A window closes after ``window_requests`` sampled requests or ``window_s`` seconds,
+    whichever comes first (a window with no sample sends nothing). ``sample_every``: 1 in N
+    answered requests is binned, so the cost stays bounded at any load. ``hard_examples``: keep
+    up to ``hard_example_budget_bytes`` of inputs whose top score is at most
+    ``hard_example_max_confidence``, sent only when the control plane asks.
+    """
+
+    enabled: bool = True
+    window_requests: int = Field(default=200, ge=10, le=1_000_000)
+    window_s: float = Field(default=300.0, ge=1.0, le=7 * 86_400.0)
+    sample_every: int = Field(default=1, ge=1, le=1_000_000)
+    hard_examples: bool = False
+    hard_example_max_confidence: float = Field(default=0.5, gt=0.0, le=1.0)
+    hard_example_budget_bytes: int = Field(default=256 * 1024, ge=0, le=MAX_HARD_EXAMPLE_BUDGET)
+
+
 class TelemetryPolicy(Message):
     health_interval_s: float = Field(default=30.0, ge=1.0, le=86_400.0)
     inference_interval_s: float = Field(default=60.0, ge=1.0, le=86_400.0)
-    drift_window_s: float = Field(default=300.0, ge=10.0, le=7 * 86_400.0)
+    drift: DriftPolicy = Field(default_factory=DriftPolicy)
 
 
 class DesiredState(Message):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import Field, model_validator
 
@@ -121,28 +121,99 @@ class InferenceStats(Message):
     models: list[ModelInferenceStats] = Field(default_factory=list, max_length=256)
 
 
+NonNegative = Annotated[int, Field(ge=0)]
+Score = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
 class FeatureDrift(Message):
-    """Drift of one input feature (or image summary) against the bundle's baseline bins."""
+    """One input feature (or image summary / sketch value) of a window, on the baseline's bins."""
 
     name: str = Field(min_length=1, max_length=128)
-    counts: list[Count] = Field(max_length=_MAX_BINS)
-    psi: float | None = Field(default=None, ge=0)
-    ks: float | None = Field(default=None, ge=0, le=1)
+    counts: list[NonNegative] = Field(min_length=1, max_length=_MAX_BINS)
+    psi: Score | None = None
+    ks: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
 
 
 class DriftReport(Message):
-    """Windowed histograms on the baseline's fixed bins, with PSI/KS per feature."""
+    """One window of one model version's traffic on the bundle baseline's fixed bins.
+
+    ``samples`` requests were binned (1 in ``sample_every`` of those answered); every feature's
+    counts add up to ``samples``; class and confidence counts (when the baseline has an output)
+    add up to the same number, at most ``samples``. The PSI/KS figures are the device's own;
+    the control plane recomputes its aggregates from the counts. ``hard_examples``: how many
+    inputs the device holds for upload (see :class:`HardExample`).
+    """
 
     MAX_BYTES: ClassVar[int] = 256 * 1024
 
     device_id: Identifier
-    ts: float
+    ts: float = Field(allow_inf_nan=False)
     model: Identifier
     version: VersionText
-    window_start: float
-    window_end: float
-    samples: Count = Field(ge=0)
+    role: InferenceRole = InferenceRole.STABLE
+    window_start: float = Field(allow_inf_nan=False)
+    window_end: float = Field(allow_inf_nan=False)
+    samples: Count = Field(ge=1)
+    sample_every: int = Field(default=1, ge=1, le=1_000_000)
     features: list[FeatureDrift] = Field(default_factory=list, max_length=512)
-    class_counts: list[Count] = Field(default_factory=list, max_length=4096)
-    class_psi: float | None = Field(default=None, ge=0)
-    confidence_counts: list[Count] = Field(default_factory=list, max_length=_MAX_BINS)
+    class_counts: list[NonNegative] = Field(default_factory=list, max_length=4096)
+    class_psi: Score | None = None
+    confidence_counts: list[NonNegative] = Field(default_factory=list, max_length=_MAX_BINS)
+    confidence_psi: Score | None = None
+    input_psi: Score | None = None
+    hard_examples: Count = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DriftReport:
+        if self.window_end < self.window_start:
+            raise ValueError("window_end is before window_start")
+        names = [f.name for f in self.features]
+        if len(set(names)) != len(names):
+            raise ValueError("a feature appears twice")
+        for f in self.features:
+            if sum(f.counts) != self.samples:
+                raise ValueError(
+                    f"feature {f.name!r}: counts add up to {sum(f.counts)}, not {self.samples}"
+                )
+        classes, confidence = sum(self.class_counts), sum(self.confidence_counts)
+        if self.class_counts and self.confidence_counts and classes != confidence:
+            raise ValueError("class and confidence counts add up to different numbers")
+        if max(classes, confidence) > self.samples:
+            raise ValueError("more answers counted than samples")
+        return self
+
+
+class TensorBytes(Message):
+    """A tensor as raw little-endian bytes (base64), as the device decoded it from a request."""
+
+    name: str = Field(min_length=1, max_length=256)
+    datatype: str = Field(pattern=r"^(BOOL|U?INT(8|16|32|64)|FP(16|32|64))$")
+    shape: list[Annotated[int, Field(ge=0, le=2**31)]] = Field(max_length=16)
+    data_b64: str = Field(max_length=2 * 1024 * 1024)
+
+
+class HardExample(Message):
+    """One input the model answered with low confidence, and what it answered."""
+
+    model: Identifier
+    version: VersionText
+    ts: float = Field(allow_inf_nan=False)
+    confidence: float = Field(ge=0, le=1, allow_inf_nan=False)
+    predicted: int | None = Field(default=None, ge=0)
+    input: TensorBytes
+    output: TensorBytes | None = None
+
+
+class HardExampleBatch(Message):
+    """The ``result`` of an ``upload_hard_examples`` command reply.
+
+    Arguments of the command: ``model`` (required), ``version`` (optional), ``max_bytes`` (the
+    raw tensor bytes the reply may carry, at most the policy's budget). ``held``: how many the
+    device still keeps after this upload (those that did not fit).
+    """
+
+    MAX_BYTES: ClassVar[int] = 1024 * 1024
+
+    examples: list[HardExample] = Field(default_factory=list, max_length=4096)
+    bytes: Count = Field(ge=0)
+    held: Count = Field(default=0, ge=0)

@@ -174,7 +174,10 @@ def test_baseline_summarises_wide_inputs_and_clips_outliers_into_end_bins() -> N
     b = compute_baseline("image", images)
 
     assert (b.mode, b.feature_count) == ("summary", 192)
-    assert [f.name for f in b.features] == ["sample_mean", "sample_std"]
+    assert [f.name for f in b.features] == ["sample_mean", "sample_std"] + [
+        f"p{i}" for i in range(24)
+    ]
+    assert b.projections == 24 and b.projection_seed is not None
     assert sum(b.features[0].histogram.counts) == 50
     assert bin_counts([-5.0, 0.0, 0.5, 1.0, 9.0], [0.0, 0.5, 1.0]) == [2, 3]
 
