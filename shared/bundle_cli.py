@@ -412,6 +412,8 @@ def _render(info: dict[str, Any]) -> str:
     b = m.drift_baseline
     if b is not None:
         text = f"baseline    {b.sample_count} samples of {b.input!r}, {b.mode} ({b.feature_count} features)"
+        if b.projections:
+            text += f", sketch of {b.projections} projections (seed {b.projection_seed})"
         if b.output is not None:
             text += f"; output {b.output.output!r}: {len(b.output.class_counts)} classes"
         lines.append(text)
