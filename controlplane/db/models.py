@@ -27,8 +27,10 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
+    Text,
     TypeDecorator,
     UniqueConstraint,
 )
@@ -344,6 +346,8 @@ class ModelVersion(Base):
     publisher_keyid: Mapped[str] = mapped_column(String(64))
     uploaded_by: Mapped[str] = mapped_column(String(128), default="")
     created_at: Mapped[datetime]
+    # 0008: the manifest's ``drift_baseline`` (JSON), NULL for a bundle without one.
+    drift_baseline: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 # ---------------------------------------------------------------------------- deployments (0004)
@@ -519,3 +523,137 @@ class WebhookDeliveryRow(Base):
     delivered_at: Mapped[datetime | None]
     failed_at: Mapped[datetime | None]
     last_error: Mapped[str] = mapped_column(String(512), default="")
+
+
+# ---------------------------------------------------------------------------- drift (0008)
+# Drift reports as devices sent them (counts on the version baseline's bins), fleet aggregates
+# per (model, version, time bucket) with the PSI of the summed counts, the rules that raise
+# retraining triggers, the triggers, and the hard examples devices upload for a trigger.
+
+
+class DriftReportRow(Base):
+    """One accepted drift report of a device. The scores are the control plane's own, computed
+    from ``counts`` (``{"features": {name: [...]}, "classes": [...], "confidence": [...]}``)
+    against the version's baseline; window times are the device's clock (Unix seconds)."""
+
+    __tablename__ = "drift_reports"
+    __table_args__ = (
+        Index("ix_drift_reports_model_version_received_at", "model", "version", "received_at"),
+        Index("ix_drift_reports_device_id_received_at", "device_id", "received_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    device_id: Mapped[str] = mapped_column(String(64), _device_fk())
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    received_at: Mapped[datetime]
+    window_start: Mapped[float] = mapped_column(Float)
+    window_end: Mapped[float] = mapped_column(Float)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    sample_every: Mapped[int] = mapped_column(Integer)
+    score: Mapped[float | None] = mapped_column(Float)
+    input_psi: Mapped[float | None] = mapped_column(Float)
+    class_psi: Mapped[float | None] = mapped_column(Float)
+    confidence_psi: Mapped[float | None] = mapped_column(Float)
+    counts: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    hard_examples: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class DriftAggregateRow(Base):
+    """The fleet's summed counts of one model version over one time bucket (``bucket_s`` long,
+    by receive time), with the PSI of the sum; ``figures`` is the full score (per-feature PSI).
+    ``over``: the bucket met its rule when last scored."""
+
+    __tablename__ = "drift_aggregates"
+
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    version: Mapped[str] = mapped_column(String(128), primary_key=True)
+    bucket_start: Mapped[datetime] = mapped_column(primary_key=True)
+    bucket_s: Mapped[int] = mapped_column(Integer)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    reports: Mapped[int] = mapped_column(BigInteger)
+    devices: Mapped[int] = mapped_column(Integer)
+    counts: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    score: Mapped[float | None] = mapped_column(Float)
+    input_psi: Mapped[float | None] = mapped_column(Float)
+    class_psi: Mapped[float | None] = mapped_column(Float)
+    confidence_psi: Mapped[float | None] = mapped_column(Float)
+    figures: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    over: Mapped[bool] = mapped_column(Boolean, default=False)
+    updated_at: Mapped[datetime]
+
+
+class DriftRuleRow(Base):
+    """When a model's drift raises a retraining trigger; ``model`` ``*`` is the default rule."""
+
+    __tablename__ = "drift_rules"
+
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    threshold: Mapped[float] = mapped_column(Float, default=0.2)
+    metric: Mapped[str] = mapped_column(String(32), default="score")
+    min_devices: Mapped[int] = mapped_column(Integer)
+    min_samples: Mapped[int] = mapped_column(BigInteger)
+    sustained: Mapped[int] = mapped_column(Integer)
+    cooldown_s: Mapped[int] = mapped_column(Integer)
+    window_s: Mapped[int] = mapped_column(Integer)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    collect_hard_examples: Mapped[bool] = mapped_column(Boolean, default=False)
+    updated_at: Mapped[datetime]
+    updated_by: Mapped[str] = mapped_column(String(128))
+
+
+class RetrainingTriggerRow(Base):
+    """A retraining trigger: a model version's fleet drift stayed over its rule. ``figures``:
+    the aggregate's scores when raised; ``rule``: the rule as applied; ``device_ids``: the
+    devices that reported in the buckets over the rule (at most 1,000 listed)."""
+
+    __tablename__ = "retraining_triggers"
+    __table_args__ = (
+        Index("ix_retraining_triggers_model_version_raised_at", "model", "version", "raised_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(128))
+    raised_at: Mapped[datetime]
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    score: Mapped[float | None] = mapped_column(Float)
+    figures: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    rule: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    device_count: Mapped[int] = mapped_column(Integer)
+    device_ids: Mapped[list[str]] = mapped_column(JSON, default=list)
+    acknowledged_at: Mapped[datetime | None]
+    acknowledged_by: Mapped[str | None] = mapped_column(String(128))
+    note: Mapped[str] = mapped_column(Text, default="")
+
+
+class HardExampleRow(Base):
+    """One low-confidence input a device uploaded (raw little-endian tensor bytes) and the
+    model's output for it; ``sha256`` is of ``input_data``. ``device_ts``: the device's clock."""
+
+    __tablename__ = "hard_examples"
+    __table_args__ = (
+        Index("ix_hard_examples_model_version_received_at", "model", "version", "received_at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    trigger_id: Mapped[int | None] = mapped_column(
+        BigId, ForeignKey("retraining_triggers.id", ondelete="CASCADE"), index=True
+    )
+    device_id: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str] = mapped_column(String(64))
+    version: Mapped[str] = mapped_column(String(128))
+    device_ts: Mapped[float] = mapped_column(Float)
+    received_at: Mapped[datetime]
+    confidence: Mapped[float] = mapped_column(Float)
+    predicted: Mapped[int | None] = mapped_column(Integer)
+    input_name: Mapped[str] = mapped_column(String(256))
+    input_datatype: Mapped[str] = mapped_column(String(8))
+    input_shape: Mapped[list[int]] = mapped_column(JSON, default=list)
+    input_data: Mapped[bytes] = mapped_column(LargeBinary)
+    output_name: Mapped[str | None] = mapped_column(String(256))
+    output_datatype: Mapped[str | None] = mapped_column(String(8))
+    output_shape: Mapped[list[int] | None] = mapped_column(JSON)
+    output_data: Mapped[bytes | None] = mapped_column(LargeBinary)
+    sha256: Mapped[str] = mapped_column(String(64))
