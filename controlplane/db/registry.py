@@ -135,6 +135,7 @@ async def insert_version(
     publisher_keyid: str,
     uploaded_by: str,
     now: datetime,
+    drift_baseline: dict[str, Any] | None = None,
 ) -> ModelVersion:
     """Insert one published version (and its model when new).
 
@@ -158,6 +159,7 @@ async def insert_version(
         publisher_keyid=publisher_keyid,
         uploaded_by=uploaded_by,
         created_at=now,
+        drift_baseline=drift_baseline,
     )
     tx.add(row)
     await tx.flush()

@@ -151,6 +151,7 @@ class _Candidate:
     format: str
     signer: str
     custom: dict[str, Any]
+    drift_baseline: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -452,8 +453,9 @@ class RepositoryService:
         custom = {"model": m.name, "version": m.version, "version_numeric": numeric,
                   "format": m.format, "profiles": profiles, "variants": variants,
                   "publisher": key.keyid}  # fmt: skip
+        baseline = m.drift_baseline.model_dump(mode="json") if m.drift_baseline else None
         return _Candidate(m.name, m.version, numeric, target_path, verified.bundle_sha256,
-                          verified.size, m.format, key.keyid, custom)  # fmt: skip
+                          verified.size, m.format, key.keyid, custom, baseline)  # fmt: skip
 
     async def _record(self, c: _Candidate, actor: str) -> ModelVersion:
         """Insert the version rows and the audit entry in one transaction."""
@@ -464,6 +466,7 @@ class RepositoryService:
                 target_path=c.target_path, sha256=c.sha256, length=c.length, format=c.format,
                 profiles=c.custom["profiles"], variants=c.custom["variants"],
                 publisher_keyid=c.signer, uploaded_by=actor, now=now,
+                drift_baseline=c.drift_baseline,
             )  # fmt: skip
             await audit_q.insert_entry(
                 tx, at=now, actor=actor, action=ACTION_PUBLISHED, target_type="model_version",
