@@ -58,6 +58,7 @@ from mcp_edge.controlplane.api.common import (
 )
 from mcp_edge.controlplane.api.deployments import attach_deployments
 from mcp_edge.controlplane.api.enroll import ENROLLMENT
+from mcp_edge.controlplane.api.hard_examples import attach_hard_examples
 from mcp_edge.controlplane.api.rollouts import ROLLOUTS
 from mcp_edge.controlplane.api.schemas import Health, Request, Response
 from mcp_edge.controlplane.auth import PasswordHasher, Role, auth_middleware
@@ -445,6 +446,12 @@ def create_app(
 
     app.on_startup.append(start_rollouts)
     app.on_cleanup.append(stop_rollouts)
+    # ---- hard examples (docs/hard-examples.md): devices are asked over a command session,
+    # opened at startup when a broker is configured; the reading routes need only the database.
+    attach_hard_examples(
+        app, db, clock, broker=ingest, provisioner=provisioner, sessions=sessions,
+        registry=metrics.registry,
+    )  # fmt: skip
     app[ENROLLMENT] = EnrollmentService(
         db, provisioner, trust, settings, clock, metrics, deployments=deployments
     )

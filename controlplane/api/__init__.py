@@ -13,6 +13,7 @@ from mcp_edge.controlplane.api import (
     deployments,
     devices,
     enroll,
+    hard_examples,
     models,
     rollouts,
     tokens,
@@ -33,5 +34,6 @@ def all_endpoints() -> list[Endpoint]:
         *models.ENDPOINTS,
         *deployments.ENDPOINTS,
         *rollouts.ENDPOINTS,
+        *hard_examples.ENDPOINTS,
         *apps.ENDPOINTS,
     ]

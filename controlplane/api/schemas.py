@@ -348,6 +348,7 @@ PATH_PARAMETERS: dict[str, Any] = {
     "keyid": HexKey,
     "token_id": PathId,
     "rollout_id": PathId,
+    "trigger_id": PathId,
     "file": Annotated[
         str, WithJsonSchema({"type": "string", "pattern": f"^{REPO_SEGMENT_PATTERN}$"})
     ],
