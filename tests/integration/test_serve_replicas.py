@@ -97,7 +97,8 @@ def start_serve(
 
 def all_sessions_up(serve: Serve) -> bool:
     up = serve.session_metrics()
-    return set(up) == {"ingest", "repository", "desired"} and all(v == 1.0 for v in up.values())
+    names = {"ingest", "repository", "desired", "commands"}
+    return set(up) == names and all(v == 1.0 for v in up.values())
 
 
 def test_a_second_serve_on_the_same_data_dir_is_refused_and_the_first_keeps_working(
