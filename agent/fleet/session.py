@@ -13,12 +13,16 @@ What it does (DESIGN 4.2, 4.6, 4.7):
   ``inference_interval_s`` (:attr:`FleetSession.inference_interval_s`: the configured value
   until a desired state the handler accepts sets it from its ``telemetry`` policy; the collector
   it hands the model manager counts HTTP and MQTT requests alike, per version and role; a
-  window without requests sends nothing). Everything that goes upstream (telemetry, deployment events, the
+  window without requests sends nothing), and a drift report per window of each model version
+  whose bundle has a baseline (:class:`agent.fleet.drift.DriftTracker`, handed to the model
+  manager like the collector; its policy is the accepted desired state's ``telemetry.drift``).
+  Everything that goes upstream (telemetry, deployment events, the
   reported state) is written to the on-disk :class:`agent.fleet.spool.Spool` first and published
   from there in order, deleted only once the broker acknowledged it; while offline the spool
   fills (dropping the oldest health samples first when full, never events) and drains after
   the reconnect.
-- Answers ``cmd`` (``ping``, ``report_state``, plus handlers passed in) and inference requests
+- Answers ``cmd`` (``ping``, ``report_state``, ``upload_hard_examples``, plus handlers passed
+  in) and inference requests
   (:mod:`agent.fleet.mqtt_inference`); hands verified-by-the-caller desired states to a handler
   and repository replies to the :class:`RepoReplies` given (the MQTT repository transport,
   which whoever wires the agent builds on this session's client: :mod:`agent.run`).
@@ -41,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from mcp_edge.agent import __version__
 from mcp_edge.agent.fleet.control import CommandHandler, ControlChannel, DesiredHandler
+from mcp_edge.agent.fleet.drift import DriftTracker
 from mcp_edge.agent.fleet.metrics import FleetMetrics
 from mcp_edge.agent.fleet.mqtt_inference import (
     DEFAULT_MAX_REPLY_BYTES,
@@ -162,6 +167,7 @@ class FleetSession:
         manager: ModelManager | None = None,
         health: HealthCollector | None = None,
         stats: InferenceStatsCollector | None = None,
+        drift: DriftTracker | None = None,
         desired_handler: DesiredHandler | None = None,
         state_provider: Callable[[], StateReport | ReportedState] | None = None,
         command_handlers: Mapping[CommandName, CommandHandler] | None = None,
@@ -174,7 +180,8 @@ class FleetSession:
     ) -> None:
         """``mqtt`` defaults to a client on ``config.mqtt_settings()``; ``repo`` gets the
         repository replies (built on the same client). ``sleep`` waits between connection
-        attempts and ``rng`` draws their jitter (tests pass their own)."""
+        attempts and ``rng`` draws their jitter (tests pass their own). ``drift`` defaults to a
+        tracker that publishes through :meth:`publish_drift`."""
         self.config = config
         self.device_id = topics.validate_id(config.device_id, "device id")
         self.spool = spool
@@ -183,6 +190,14 @@ class FleetSession:
         self.stats = stats or InferenceStatsCollector()
         if manager is not None and manager.stats is None:
             manager.stats = self.stats  # every transport's requests, not only MQTT's
+        self.drift = drift or DriftTracker(
+            self.device_id,
+            self.publish_drift,
+            metrics=manager.metrics if manager is not None else None,
+        )
+        """Measures drift of the versions the manager runs (see :mod:`agent.fleet.drift`)."""
+        if manager is not None and manager.drift is None:
+            manager.drift = self.drift
         self.inference_interval_s = config.inference_interval_s
         """Seconds between inference statistics: the desired state's policy once one is
         accepted (:meth:`apply_telemetry_policy`)."""
@@ -197,7 +212,10 @@ class FleetSession:
         """Keeps the connection up (reconnects with ``config.reconnect``)."""
         self._clock = clock
         self._state_provider = state_provider
-        builtin: dict[CommandName, CommandHandler] = {CommandName.PING: self._ping}
+        builtin: dict[CommandName, CommandHandler] = {
+            CommandName.PING: self._ping,
+            CommandName.UPLOAD_HARD_EXAMPLES: self.drift.upload_hard_examples,
+        }
         if state_provider is not None:
             builtin[CommandName.REPORT_STATE] = self._report_state
         self.control = ControlChannel(
@@ -260,6 +278,7 @@ class FleetSession:
         await self.mqtt.subscribe(*subs)
         await self.sync_models()
         await self.health.start()
+        await self.drift.start()
         await self.link.start(wait=False)
         loop = asyncio.get_running_loop()
         for coro, name in (
@@ -275,6 +294,13 @@ class FleetSession:
             return
         self._closing = True
         await self.link.stop_reconnecting()
+        # The open drift windows close now and go to the spool with the rest.
+        try:
+            await self.drift.close()
+        except Exception:
+            log.exception("closing the drift tracker failed")
+        if self.manager is not None and self.manager.drift is self.drift:
+            self.manager.drift = None
         keep = {"fleet-drain"}
         await _cancel([t for t in self._tasks if t.get_name() not in keep])
         if self.mqtt.connected:
@@ -439,13 +465,19 @@ class FleetSession:
         return handle
 
     def apply_telemetry_policy(self, envelope: Any) -> None:
-        """Send inference statistics every ``signed.telemetry.inference_interval_s`` of an
-        accepted desired-state envelope from now on (the window open now closes at the new
-        interval). A document without the field keeps the interval; one that is not a number
-        from 1 to 86 400 s (the schema's bounds) is logged and ignored."""
+        """Apply the ``signed.telemetry`` policy of an accepted desired-state envelope.
+
+        Inference statistics are sent every ``inference_interval_s`` from now on (the window
+        open now closes at the new interval); drift is measured under ``drift``
+        (:class:`DriftPolicy`, see :meth:`DriftTracker.apply_policy`). A document without a
+        field keeps what is in force; a value the schema refuses is logged and ignored."""
         signed = envelope.get("signed") if isinstance(envelope, dict) else None
         policy = signed.get("telemetry") if isinstance(signed, dict) else None
-        value = policy.get("inference_interval_s") if isinstance(policy, dict) else None
+        if not isinstance(policy, dict):
+            return
+        if policy.get("drift") is not None:
+            self._apply_drift_policy(policy["drift"])
+        value = policy.get("inference_interval_s")
         if value is None:
             return
         if (
@@ -459,6 +491,25 @@ class FleetSession:
             log.info("inference statistics every %g s (desired state)", value)
             self.inference_interval_s = float(value)
             self._interval_changed.set()
+
+    def _apply_drift_policy(self, value: Any) -> None:
+        # The handler verified the document with pydantic already: no new import cost.
+        from pydantic import ValidationError
+
+        from mcp_edge.shared.protocol.state import DriftPolicy
+
+        try:
+            drift = DriftPolicy.model_validate(value)
+        except ValidationError as e:
+            errors = e.errors()
+            why = (
+                f"{'.'.join(str(p) for p in errors[0]['loc'])}: {errors[0]['msg']}"
+                if errors
+                else str(e)
+            )
+            log.warning("desired state's drift policy ignored: %s", why)
+            return
+        self.drift.apply_policy(drift)
 
     async def _stats_loop(self) -> None:
         loop = asyncio.get_running_loop()

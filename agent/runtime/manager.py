@@ -21,6 +21,10 @@ the version that answered; a canary failure handed to stable as a canary error a
 stable request; each shadow copy as a shadow request, with whether its answer agreed with
 stable's (:func:`agent.runtime.canary.answers_agree`). The shadow runs and is compared in a
 task of its own, after stable's answer has gone back.
+
+Drift: each run of a counted request that succeeded (the answer, and a shadow's copy) is also
+handed, with its feeds and outputs, to :attr:`ModelManager.drift`, a :class:`DriftObserver`
+(the fleet session's :class:`agent.fleet.drift.DriftTracker`), under the same role.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mcp_edge.agent.runtime.batcher import (
     BatcherClosedError,
@@ -57,6 +61,9 @@ from mcp_edge.agent.runtime.runner import (
 from mcp_edge.agent.serving.metrics import AgentMetrics
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 from mcp_edge.shared.protocol.reports import InferenceRole
+
+if TYPE_CHECKING:
+    from mcp_edge.shared.bundle.manifest import DriftBaseline
 
 log = logging.getLogger("mcp.agent.runtime")
 
@@ -96,6 +103,22 @@ class InferenceObserver(Protocol):
         a shadow answer, whether it agreed with stable's (None: not compared)."""
 
 
+class DriftObserver(Protocol):
+    """Takes the successful runs of client requests for drift measurement (implemented by
+    :class:`agent.fleet.drift.DriftTracker`). Called on the event loop right after the run;
+    must be quick (no numpy work here) and must not raise."""
+
+    def observe(
+        self,
+        source: ModelSource,
+        role: InferenceRole,
+        feeds: dict[str, Array],
+        outputs: dict[str, Array],
+    ) -> None:
+        """``source`` answered ``feeds`` with ``outputs`` in ``role``; the arrays are not
+        changed afterwards and may be kept."""
+
+
 class ModelNotFoundError(RunnerError):
     """No such model, or no such version of it, is loaded."""
 
@@ -112,6 +135,8 @@ class ModelSource:
     origin: Path | None = None
     """The file the operator gave (.onnx, .tflite or .mcpb)."""
     signer_keyid: str | None = None
+    drift_baseline: DriftBaseline | None = None
+    """The bundle's statistics drift is measured against; None: drift is not measured."""
 
 
 RunnerFactory = Callable[[ModelSource], Sequence[ModelRunner]]
@@ -213,10 +238,14 @@ class ModelManager:
         available_memory: Callable[[], int | None] | None = None,
         memory_factor: float = 3.0,
         stats: InferenceObserver | None = None,
+        drift: DriftObserver | None = None,
     ) -> None:
         self._factory = runner_factory
         self.stats = stats
         """Where the runs of counted requests go (see the module docstring); None: nowhere."""
+        self.drift = drift
+        """Where the successful runs of counted requests go with their arrays, for drift
+        measurement; None: nowhere (drift off)."""
         self.batching = batching or BatchingConfig()
         self.metrics = metrics or AgentMetrics()
         self._available_memory = available_memory or _available_memory
@@ -464,6 +493,7 @@ class ModelManager:
         """
         slot = self._slots.get(lv.name)
         stats = self.stats if counted else None
+        drift = self.drift if counted else None
         t0 = time.perf_counter() if stats is not None else 0.0
         # The batch future is awaited here, not through LoadedVersion.infer: this is every
         # request's path, and each coroutine frame in between costs a resume per request.
@@ -474,7 +504,9 @@ class ModelManager:
             if pinned:
                 raise ModelNotFoundError(f"{lv.name} {lv.version} was unloaded") from None
             current = self.route(lv.name)
-            return current, await self._answer_for(current, feeds, priority, timeout_s, stats)
+            return current, await self._answer_for(
+                current, feeds, priority, timeout_s, stats, drift
+            )
         except Exception as e:
             if stats is not None:
                 self._count(stats, lv, time.perf_counter() - t0, outcome_of(e))
@@ -490,14 +522,16 @@ class ModelManager:
                 raise
             stable = self.get(lv.name)
             log.warning("canary %s %s failed (%s); answered by stable", lv.name, lv.version, e)
-            return stable, await self._answer_for(stable, feeds, priority, timeout_s, stats)
+            return stable, await self._answer_for(stable, feeds, priority, timeout_s, stats, drift)
         if stats is not None:
             self._count(stats, lv, time.perf_counter() - t0, Outcome.OK)
+        if drift is not None:
+            self._observe(drift, lv, feeds, outputs)
         if slot is not None:
             if self._is_canary(slot, lv):
                 self._record_canary(slot, failed=False)
             elif slot.shadow is not None and lv.version == slot.stable:
-                self._start_shadow(slot, feeds, outputs, stats)
+                self._start_shadow(slot, feeds, outputs, stats, drift)
         return lv, outputs
 
     async def _answer_for(
@@ -507,6 +541,7 @@ class ModelManager:
         priority: Priority,
         timeout_s: float | None,
         stats: InferenceObserver | None,
+        drift: DriftObserver | None = None,
     ) -> dict[str, Array]:
         """Run a request on ``lv``, answering for another version (a failed canary, one retired
         before the request reached it), counted in ``stats`` under ``lv``'s role."""
@@ -519,7 +554,26 @@ class ModelManager:
             raise
         if stats is not None:
             self._count(stats, lv, time.perf_counter() - t0, Outcome.OK)
+        if drift is not None:
+            self._observe(drift, lv, feeds, outputs)
         return outputs
+
+    def _observe(
+        self,
+        drift: DriftObserver,
+        lv: LoadedVersion,
+        feeds: dict[str, Array],
+        outputs: dict[str, Array],
+        role: InferenceRole | None = None,
+    ) -> None:
+        """Hand one successful run of ``lv`` to ``drift``, under the role ``lv`` has now."""
+        if role is None:
+            slot = self._slots.get(lv.name)
+            role = slot.counted_role(lv.version) if slot is not None else InferenceRole.STABLE
+        try:
+            drift.observe(lv.source, role, feeds, outputs)
+        except Exception:  # statistics never fail a request
+            log.exception("drift observer failed")
 
     def _count(
         self,
@@ -568,6 +622,7 @@ class ModelManager:
         feeds: dict[str, Array],
         stable_out: dict[str, Array],
         stats: InferenceObserver | None,
+        drift: DriftObserver | None = None,
     ) -> None:
         shadow = slot.shadow
         assert shadow is not None
@@ -578,7 +633,7 @@ class ModelManager:
         lv = slot.versions[shadow.version]
         shadow.pending += 1
         task = asyncio.get_running_loop().create_task(
-            self._shadow(slot, shadow, lv, feeds, stable_out, stats)
+            self._shadow(slot, shadow, lv, feeds, stable_out, stats, drift)
         )
         self._shadow_tasks.add(task)
         task.add_done_callback(self._shadow_tasks.discard)
@@ -591,6 +646,7 @@ class ModelManager:
         feeds: dict[str, Array],
         stable_out: dict[str, Array],
         stats: InferenceObserver | None,
+        drift: DriftObserver | None = None,
     ) -> None:
         """Run a copy of a request stable answered on the shadow and compare the answers; a
         failed run is a shadow error and no comparison."""
@@ -617,6 +673,8 @@ class ModelManager:
         if stats is not None:
             stats.record(lv.name, lv.version, elapsed, Outcome.OK, role=InferenceRole.SHADOW,
                          agreed=agree)  # fmt: skip
+        if drift is not None:
+            self._observe(drift, lv, feeds, out, InferenceRole.SHADOW)
 
     async def wait_for_shadows(self) -> None:
         """Wait for shadow comparisons started so far (tests and shutdown)."""

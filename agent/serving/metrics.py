@@ -184,6 +184,31 @@ class AgentMetrics:
             registry=r,
         )
 
+        self.drift_samples = LoopCounter(
+            "mcp_agent_drift_samples_total",
+            "Rows of answered requests binned for drift measurement.",
+            ["model"],
+            registry=r,
+        )
+        self.drift_dropped = LoopCounter(
+            "mcp_agent_drift_dropped_total",
+            "Sampled requests or rows not binned for drift, by reason "
+            "(buffer_full, shape, not_finite, no_input, dtype, report, internal).",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.drift_windows = LoopCounter(
+            "mcp_agent_drift_windows_total",
+            "Drift windows closed and queued for the control plane.",
+            ["model"],
+            registry=r,
+        )
+        self.hard_example_bytes = LoopGauge(
+            "mcp_agent_hard_example_bytes",
+            "Raw tensor bytes of the hard examples held for upload.",
+            registry=r,
+        )
+
     def exposition(self) -> bytes:
         """The text exposition format for ``GET /metrics``."""
         return generate_latest(self.registry)

@@ -91,7 +91,8 @@ def bundle_source(
     signer_keyid: str | None = None,
 ) -> ModelSource:
     """The :class:`ModelSource` of variant ``tag`` of a bundle unpacked (and verified) under
-    ``root``: its model file, labels and preprocessing. Raises KeyError for an unknown tag."""
+    ``root``: its model file, labels, preprocessing and drift baseline. Raises KeyError for an
+    unknown tag."""
     labels: tuple[str, ...] = ()
     if manifest.labels is not None:
         text = (root / manifest.labels.file).read_text(encoding="utf-8")
@@ -105,6 +106,7 @@ def bundle_source(
         preprocessing=pre,
         origin=origin,
         signer_keyid=signer_keyid,
+        drift_baseline=manifest.drift_baseline,
     )
 
 
