@@ -109,14 +109,7 @@ def score_counts(
     samples: int = 0,
 ) -> DriftScores:
     """Score live counts (already checked to fit ``baseline``'s bins) against it."""
-    per: dict[str, float | None] = {}
-    gaps: dict[str, float | None] = {}
-    for fb in baseline.features:
-        counts = features.get(fb.name)
-        if counts is None:
-            continue
-        per[fb.name] = psi(fb.histogram.counts, counts)
-        gaps[fb.name] = ks(fb.histogram.counts, counts)
+    per, gaps = _feature_scores(baseline, features)
     known = [v for v in per.values() if v is not None]
     out = baseline.output
     class_psi = confidence_psi = None
@@ -132,6 +125,36 @@ def score_counts(
         max_feature_psi=max(known) if known else None,
         class_psi=class_psi,
         confidence_psi=confidence_psi,
+    )
+
+
+def _feature_scores(
+    baseline: DriftBaseline, features: Mapping[str, Sequence[int]]
+) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """:func:`psi` and :func:`ks` of each feature in ``features``; one numpy pass over all of
+    them when their bins are equally many (the usual case: a window has 64 features or more,
+    and one pass costs what a single feature costs)."""
+    names = [fb.name for fb in baseline.features if fb.name in features]
+    expected = [fb.histogram.counts for fb in baseline.features if fb.name in features]
+    actual = [features[n] for n in names]
+    if not names or len({len(c) for c in (*expected, *actual)}) != 1:
+        return (
+            {n: psi(e, a) for n, e, a in zip(names, expected, actual, strict=True)},
+            {n: ks(e, a) for n, e, a in zip(names, expected, actual, strict=True)},
+        )
+    e = np.asarray(expected, dtype=np.float64)
+    a = np.asarray(actual, dtype=np.float64)
+    e_n, a_n = e.sum(axis=1, keepdims=True), a.sum(axis=1, keepdims=True)
+    k = e.shape[1]
+    pe = (e + SMOOTHING) / (e_n + SMOOTHING * k)
+    pa = (a + SMOOTHING) / (a_n + SMOOTHING * k)
+    psis = np.sum((pa - pe) * np.log(pa / pe), axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gaps = np.max(np.abs(np.cumsum(e, axis=1) / e_n - np.cumsum(a, axis=1) / a_n), axis=1)
+    empty = ((e_n <= 0) | (a_n <= 0)).ravel().tolist()
+    return (
+        {n: None if x else float(v) for n, v, x in zip(names, psis.tolist(), empty, strict=True)},
+        {n: None if x else float(v) for n, v, x in zip(names, gaps.tolist(), empty, strict=True)},
     )
 
 
@@ -174,6 +197,7 @@ class Binner:
             # Inner edges stacked [F, B-1]: a value's bin is how many inner edges it reaches.
             self._inner = np.stack([e[1:-1] for e in self._edges])
             self._bins = widths.pop()
+            self._offsets = np.arange(len(self._edges), dtype=np.intp) * self._bins
         self._directions = (
             projection_matrix(
                 baseline.projection_seed, baseline.feature_count, baseline.projections
@@ -187,7 +211,13 @@ class Binner:
 
     def _reset(self) -> None:
         self.samples = 0
-        self._features = [np.zeros(len(e) - 1, dtype=np.int64) for e in self._edges]
+        # Uniform bins: one [F, B] grid, taken as its rows; otherwise one array per feature.
+        self._grid = np.zeros((len(self._edges), self._bins if self._uniform else 0), np.int64)
+        self._features = (
+            list(self._grid)
+            if self._uniform
+            else [np.zeros(len(e) - 1, dtype=np.int64) for e in self._edges]
+        )
         self._class_counts = np.zeros(self._classes, dtype=np.int64)
         self._confidence = np.zeros(len(self._conf_edges) - 1, dtype=np.int64)
 
@@ -201,11 +231,13 @@ class Binner:
         )
         n = values.shape[0]
         if self._uniform:
-            idx = (values[:, :, None] >= self._inner[None, :, :]).sum(axis=2)
-            offsets = idx + np.arange(values.shape[1])[None, :] * self._bins
-            flat = np.bincount(offsets.ravel(), minlength=values.shape[1] * self._bins)
-            for i, row in enumerate(flat.reshape(values.shape[1], self._bins)):
-                self._features[i] += row
+            # A value's bin is how many inner edges it reaches: one pass per edge over [N, F].
+            idx = np.broadcast_to(self._offsets, values.shape).copy()
+            for e in range(self._inner.shape[1]):
+                idx += values >= self._inner[:, e]
+            self._grid += np.bincount(idx.ravel(), minlength=self._grid.size).reshape(
+                self._grid.shape
+            )
         else:
             for i, edges in enumerate(self._edges):
                 j = np.clip(
@@ -229,9 +261,9 @@ class Binner:
         """``(samples, features, class_counts, confidence_counts)`` since the last take."""
         result = (
             self.samples,
-            {n: [int(c) for c in f] for n, f in zip(self.names, self._features, strict=True)},
-            [int(c) for c in self._class_counts] if self._class_counts.sum() else [],
-            [int(c) for c in self._confidence] if self._confidence.sum() else [],
+            dict(zip(self.names, [f.tolist() for f in self._features], strict=True)),
+            self._class_counts.tolist() if self._class_counts.sum() else [],
+            self._confidence.tolist() if self._confidence.sum() else [],
         )
         self._reset()
         return result
