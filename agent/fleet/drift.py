@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from mcp_edge.agent.fleet.drift_rows import Rows, gather
+from mcp_edge.agent.fleet.drift_rows import Item, Rows, gather
 from mcp_edge.agent.fleet.hard_examples import (
     Example,
     HardExampleReservoir,
@@ -86,7 +86,7 @@ class _Track:
 
     __slots__ = (
         "baseline", "binner", "countdown", "every", "input_name", "last", "name",
-        "output_name", "role", "start", "version",
+        "output_name", "pending", "role", "start", "version",
     )  # fmt: skip
 
     def __init__(
@@ -104,9 +104,8 @@ class _Track:
         self.start: float | None = None
         """When the open window's first sample was binned; None: no window open."""
         self.last = now
-
-
-_Item = tuple[_Track, InferenceRole, Array, Array | None]
+        self.pending: list[Item] = []
+        """Sampled requests not binned yet: ``(role, input, output or None)``."""
 
 
 class DriftTracker:
@@ -146,7 +145,9 @@ class DriftTracker:
         self.reservoir = HardExampleReservoir()
         self._tracks: dict[tuple[str, str], _Track] = {}
         self._warned: set[tuple[str, str, str]] = set()
-        self._pending: list[_Item] = []
+        self._dirty: list[_Track] = []
+        """Tracks with pending samples."""
+        self._pending_count = 0
         self._pending_bytes = 0
         self._scheduled: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -187,13 +188,16 @@ class DriftTracker:
             self._drop(track, "no_input", 1)
             return
         size = x.nbytes
-        if len(self._pending) >= self.max_pending or self._pending_bytes + size > (
+        if self._pending_count >= self.max_pending or self._pending_bytes + size > (
             self.max_pending_bytes
         ):
             self._drop(track, "buffer_full", 1)
             return
         y = outputs.get(track.output_name) if track.output_name is not None else None
-        self._pending.append((track, role, x, y))
+        if not track.pending:
+            self._dirty.append(track)
+        track.pending.append((role, x, y))
+        self._pending_count += 1
         self._pending_bytes += size
         if self._scheduled is None and self._loop is not None:
             self._scheduled = self._loop.call_later(self.drain_delay_s, self._drain_now)
@@ -229,18 +233,17 @@ class DriftTracker:
         if self._scheduled is not None:
             self._scheduled.cancel()
             self._scheduled = None
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        if not pending:
+        dirty, self._dirty = self._dirty, []
+        if not dirty:
             return []
+        big = self._pending_bytes * 8 > CHUNK_BYTES  # float64 of the smallest dtype
+        self._pending_count = self._pending_bytes = 0
         t = self.clock() if now is None else now
-        groups: dict[int, list[_Item]] = {}
-        for item in pending:
-            groups.setdefault(id(item[0]), []).append(item)
         reports: list[DriftReport] = []
-        for items in groups.values():
-            track = items[0][0]
+        for track in dirty:
+            items, track.pending = track.pending, []
             track.last = t
-            for chunk in _chunks(items):
+            for chunk in _chunks(items) if big else (items,):
                 try:
                     reports.extend(self._bin(track, chunk, t))
                 except Exception:  # one version's odd data must not stop the others
@@ -248,7 +251,7 @@ class DriftTracker:
                     self._drop(track, "internal", len(chunk))
         return reports
 
-    def _bin(self, track: _Track, items: list[_Item], now: float) -> list[DriftReport]:
+    def _bin(self, track: _Track, items: list[Item], now: float) -> list[DriftReport]:
         baseline = track.baseline
         assert baseline is not None
         if track.binner is None:
@@ -335,7 +338,7 @@ class DriftTracker:
     def _close(self, track: _Track, now: float) -> list[DriftReport]:
         """Close ``track``'s open window; its report (none for an empty window)."""
         from mcp_edge.shared.drift import score_counts
-        from mcp_edge.shared.protocol.telemetry import DriftReport, FeatureDrift
+        from mcp_edge.shared.protocol.telemetry import DriftReport
 
         start, track.start = track.start, None
         binner, baseline = track.binner, track.baseline
@@ -346,18 +349,34 @@ class DriftTracker:
             return []
         scores = score_counts(baseline, features, classes, confidence, samples=samples)
         try:
-            report = DriftReport(
-                device_id=self.device_id, ts=now, model=track.name,
-                version=version_text(track.version), role=track.role,
-                window_start=start, window_end=max(now, start), samples=samples,
-                sample_every=track.every,
-                features=[FeatureDrift(name=n, counts=c, psi=scores.features.get(n),
-                                       ks=scores.ks.get(n)) for n, c in features.items()],
-                class_counts=classes, class_psi=scores.class_psi,
-                confidence_counts=confidence, confidence_psi=scores.confidence_psi,
-                input_psi=scores.input_psi,
-                hard_examples=self.reservoir.held(track.name, track.version),
-            )  # fmt: skip
+            report = DriftReport.model_validate(
+                {
+                    "device_id": self.device_id,
+                    "ts": now,
+                    "model": track.name,
+                    "version": version_text(track.version),
+                    "role": track.role,
+                    "window_start": start,
+                    "window_end": max(now, start),
+                    "samples": samples,
+                    "sample_every": track.every,
+                    "features": [
+                        {
+                            "name": n,
+                            "counts": c,
+                            "psi": scores.features.get(n),
+                            "ks": scores.ks.get(n),
+                        }
+                        for n, c in features.items()
+                    ],
+                    "class_counts": classes,
+                    "class_psi": scores.class_psi,
+                    "confidence_counts": confidence,
+                    "confidence_psi": scores.confidence_psi,
+                    "input_psi": scores.input_psi,
+                    "hard_examples": self.reservoir.held(track.name, track.version),
+                }
+            )  # one validation of the whole report: far cheaper than a model per feature
         except ValueError as e:
             log.warning("drift of %s %s: window not sent: %s", track.name, track.version, e)
             self._drop(track, "report", samples)
@@ -507,12 +526,12 @@ def describe(policy: DriftPolicy) -> str:
     )
 
 
-def _chunks(items: list[_Item]) -> list[list[_Item]]:
+def _chunks(items: list[Item]) -> list[list[Item]]:
     """``items`` in runs whose inputs, as float64, stay under :data:`CHUNK_BYTES`."""
-    out: list[list[_Item]] = [[]]
+    out: list[list[Item]] = [[]]
     size = 0
     for item in items:
-        x = item[2]
+        x = item[1]
         need = x.size * 8
         if out[-1] and size + need > CHUNK_BYTES:
             out.append([])

@@ -14,12 +14,15 @@ from __future__ import annotations
 import collections
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mcp_edge.agent.runtime.runner import Array
 from mcp_edge.shared.protocol.reports import InferenceRole
+
+Item = tuple[InferenceRole, Array, Array | None]
+"""One sampled request: the role it was answered in, its input, its score output (or None)."""
 
 if TYPE_CHECKING:
     from mcp_edge.shared.bundle.manifest import DriftBaseline
@@ -42,18 +45,24 @@ class Rows:
     dropped: collections.Counter[str] = field(default_factory=collections.Counter)
     _inputs: list[Array] = field(default_factory=list)
     _outputs: list[Array | None] = field(default_factory=list)
-    _bounds: Array | None = None
-    _kept: Array | None = None
+    _counts: list[int] | None = None
+    _finite: Array | None = None
+
+    @property
+    def _bounds(self) -> Array:
+        if self._counts is None:
+            self._counts = [int(x.shape[0]) for x in self._inputs]
+        return _bounds(self._counts)
 
     def source_row(self, r: int) -> tuple[Array, Array | None, int]:
         """Row ``r`` as the request held it: ``(input, output or None, request index)``; the
         input keeps its dtype and has shape ``[1, ...]`` (or the request's own shape, for an
         input without a batch axis)."""
-        assert self._bounds is not None and self._kept is not None
-        orig = int(self._kept[r])
-        j = int(np.searchsorted(self._bounds, orig, side="right") - 1)
-        within = orig - int(self._bounds[j])
-        count = int(self._bounds[j + 1] - self._bounds[j])
+        bounds = self._bounds
+        orig = r if self._finite is None else int(np.flatnonzero(self._finite)[r])
+        j = int(np.searchsorted(bounds, orig, side="right") - 1)
+        within = orig - int(bounds[j])
+        count = int(bounds[j + 1] - bounds[j])
         x, y = self._inputs[j], self._outputs[j]
         if x.ndim >= 2 and x.shape[0] == count:
             x = x[within : within + 1]
@@ -73,15 +82,19 @@ def _as_rows(x: Array, features: int) -> Array | None:
     return None
 
 
-def gather(items: list[Any], baseline: DriftBaseline) -> Rows:
-    """The rows of ``items`` (``(track, role, input, output)`` tuples of one version)."""
+def _bounds(counts: list[int]) -> Array:
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+
+
+def gather(items: list[Item], baseline: DriftBaseline) -> Rows:
+    """The rows of ``items``, the sampled requests of one version, in order."""
     features = baseline.feature_count
     classes = len(baseline.output.class_counts) if baseline.output is not None else 0
     dropped: collections.Counter[str] = collections.Counter()
-    xs: list[Array] = [it[2] for it in items]
-    ys: list[Array | None] = [it[3] for it in items]
-    roles: list[InferenceRole] = [it[1] for it in items]
-    matrix: Array | None = None
+    xs: list[Array] = [it[1] for it in items]
+    ys: list[Array | None] = [it[2] for it in items]
+    roles: list[InferenceRole] = [it[0] for it in items]
+    counts: list[int] | None = None
     try:
         stacked: Array | None = np.concatenate(xs) if len(xs) > 1 else xs[0]
     except ValueError:
@@ -93,7 +106,8 @@ def gather(items: list[Any], baseline: DriftBaseline) -> Rows:
         and math.prod(stacked.shape[1:]) == features
     ):
         matrix = stacked.reshape(stacked.shape[0], features)
-        counts = [int(x.shape[0]) for x in xs]
+        if stacked.shape[0] != len(xs):  # not one row per request
+            counts = [int(x.shape[0]) for x in xs]
     else:  # request by request: mixed shapes, no batch axis, or some that do not fit
         views, keep = [], []
         counts = []
@@ -112,27 +126,33 @@ def gather(items: list[Any], baseline: DriftBaseline) -> Rows:
     matrix = np.asarray(matrix, dtype=np.float64)
     n = matrix.shape[0]
     scores = _scores(ys, counts, n, classes)
-    has: Array = (
-        np.asarray(np.isfinite(scores).all(axis=1)) if classes else np.zeros(n, dtype=bool)
-    )
+    has: Array = np.asarray(np.isfinite(scores).all(axis=1)) if classes else np.zeros(n, dtype=bool)
     finite = np.isfinite(matrix).all(axis=1)
-    bounds = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
-    kept_before = np.concatenate([[0], np.cumsum(finite, dtype=np.int64)])
-    if not finite.all():
+    all_finite = bool(finite.all())
+    if not all_finite:
         dropped["not_finite"] += int(n - finite.sum())
         matrix, scores, has = matrix[finite], scores[finite], has[finite]
     segments: list[tuple[int, int, InferenceRole]] = []
-    first = 0
-    for j in range(1, len(roles) + 1):
-        if j == len(roles) or roles[j] is not roles[first]:
-            a, b = int(kept_before[bounds[first]]), int(kept_before[bounds[j]])
-            if b > a:
-                segments.append((a, b, roles[first]))
-            first = j
-    return Rows(matrix, scores, has, segments, dropped, xs, ys, bounds, np.flatnonzero(finite))
+    if roles and roles.count(roles[0]) == len(roles):
+        if matrix.shape[0]:
+            segments.append((0, matrix.shape[0], roles[0]))
+    elif roles:
+        bounds = _bounds(counts if counts is not None else [1] * len(roles))
+        kept_before = np.concatenate([[0], np.cumsum(finite, dtype=np.int64)])
+        first = 0
+        for j in range(1, len(roles) + 1):
+            if j == len(roles) or roles[j] is not roles[first]:
+                a, b = int(kept_before[bounds[first]]), int(kept_before[bounds[j]])
+                if b > a:
+                    segments.append((a, b, roles[first]))
+                first = j
+    rows = Rows(matrix, scores, has, segments, dropped, xs, ys)
+    rows._counts = counts if counts is not None else [1] * len(xs)
+    rows._finite = None if all_finite else finite
+    return rows
 
 
-def _scores(ys: list[Array | None], counts: list[int], n: int, classes: int) -> Array:
+def _scores(ys: list[Array | None], counts: list[int] | None, n: int, classes: int) -> Array:
     """``[n, classes]`` float64 scores; NaN rows where a request's output does not fit."""
     if not classes:
         return np.empty((n, 0))
@@ -151,7 +171,7 @@ def _scores(ys: list[Array | None], counts: list[int], n: int, classes: int) -> 
             return np.asarray(stacked, dtype=np.float64)
     out = np.full((n, classes), np.nan)
     at = 0
-    for y, c in zip(ys, counts, strict=True):
+    for y, c in zip(ys, counts if counts is not None else [1] * len(ys), strict=True):
         if y is not None and y.dtype.kind in _NUMERIC and y.size == c * classes:
             out[at : at + c] = y.reshape(c, classes)
         at += c

@@ -45,7 +45,8 @@ TRAIN = RNG.normal(size=(500, 4)).astype(np.float32)
 
 def softmax(z: np.ndarray) -> np.ndarray:
     e = np.exp(z - z.max(axis=1, keepdims=True))
-    return (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+    out: np.ndarray = (e / e.sum(axis=1, keepdims=True)).astype(np.float32)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -392,3 +393,18 @@ def test_the_session_applies_the_desired_states_drift_policy(tmp_path: Path) -> 
     assert session.drift.policy == DriftPolicy(window_requests=50, sample_every=4)
     assert session.inference_interval_s == 5
     assert CommandName.UPLOAD_HARD_EXAMPLES in session.control.commands
+
+
+def test_window_scores_are_the_psi_and_ks_of_each_feature(baseline: DriftBaseline) -> None:
+    from mcp_edge.shared.drift import ks, psi, score_counts
+
+    b = Binner(baseline)
+    b.add(RNG.normal(size=(300, 4)) * 1.3 + 0.2)
+    samples, features, _, _ = b.take()
+    scores = score_counts(baseline, features, samples=samples)
+    for fb in baseline.features:
+        assert scores.features[fb.name] == pytest.approx(psi(fb.histogram.counts,
+                                                             features[fb.name]), rel=1e-12)  # fmt: skip
+        assert scores.ks[fb.name] == pytest.approx(ks(fb.histogram.counts, features[fb.name]))
+    empty = score_counts(baseline, {n: [0] * len(c) for n, c in features.items()})
+    assert set(empty.features.values()) == {None} and empty.input_psi is None
