@@ -1,7 +1,7 @@
 """Hard examples end to end: the real control plane asks devices over the real broker and
 stores what they send (docs/hard-examples.md).
 
-The control plane is the real app served in process (SQLite), with Mosquitto's dynamic
+The control plane is the real app served in process (SQLite and PostgreSQL), with Mosquitto's dynamic
 security and the real :class:`DynsecProvisioner`: devices enroll through the REST API and
 connect with the credentials and ACLs they were given, and the control plane's command session
 runs under the service role.
@@ -171,10 +171,12 @@ class Site:
 
 
 @pytest.fixture
-async def site(tmp_path: Path, dynsec_broker: DynsecMosquittoBroker) -> AsyncIterator[Site]:
+async def site(
+    tmp_path: Path, dynsec_broker: DynsecMosquittoBroker, database_url: str
+) -> AsyncIterator[Site]:
     settings = Settings(
         data_dir=tmp_path / "cp",
-        database_url=f"sqlite:///{tmp_path / 'cp.db'}",
+        database_url=database_url,
         password_cost=PasswordCost.MIN,
         broker_urls=(f"mqtt://{dynsec_broker.host}:{dynsec_broker.port}",),
     )
