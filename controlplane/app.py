@@ -57,6 +57,7 @@ from mcp_edge.controlplane.api.common import (
     services,
 )
 from mcp_edge.controlplane.api.deployments import attach_deployments
+from mcp_edge.controlplane.api.drift import DRIFT_ADMIN
 from mcp_edge.controlplane.api.enroll import ENROLLMENT
 from mcp_edge.controlplane.api.hard_examples import attach_hard_examples
 from mcp_edge.controlplane.api.rollouts import ROLLOUTS
@@ -73,6 +74,8 @@ from mcp_edge.controlplane.db import (
 from mcp_edge.controlplane.db import devices as device_q
 from mcp_edge.controlplane.db import telemetry as telemetry_q
 from mcp_edge.controlplane.deployments import DeploymentService
+from mcp_edge.controlplane.drift.admin import DriftAdmin
+from mcp_edge.controlplane.drift.service import DriftService
 from mcp_edge.controlplane.enrollment_service import EnrollmentService, TrustSource
 from mcp_edge.controlplane.httplog import server_logging
 from mcp_edge.controlplane.ingest import IngestConnection, IngestService
@@ -100,8 +103,11 @@ OPENAPI = web.AppKey("openapi", bytes)
 INGEST = web.AppKey("ingest", IngestService)
 REPO_MQTT = web.AppKey("repo_mqtt", RepoMqttService)
 BROKER_SESSIONS = web.AppKey("broker_sessions", list[MqttSubscriber])
-WEBHOOKS = web.AppKey("webhooks", WebhookDispatcher)
 """The control plane's own broker sessions (ingest, repository, desired), once started."""
+WEBHOOKS = web.AppKey("webhooks", WebhookDispatcher)
+DRIFT = web.AppKey("drift", DriftService)
+"""The drift store: ingestion's drift reports, aggregates, rules, retraining triggers (its
+``on_trigger`` list takes callbacks run after a trigger commits)."""
 
 
 def system_clock() -> datetime:
@@ -388,9 +394,24 @@ def create_app(
 
     app.on_startup.append(migrate)
     attach_repository(app, repository)  # after migrate: it reads publisher keys
+    # Reads the webhook secrets now, so a missing or unreadable one stops serve before it starts.
+    webhooks = app[WEBHOOKS] = WebhookDispatcher(
+        db, load_webhooks(settings.webhooks), clock, metrics=metrics
+    )
+    # ---- drift (docs/drift.md): ingestion hands it the reports; triggers go to the webhooks.
+    drift = app[DRIFT] = DriftService(
+        db, clock, metrics=metrics, notify=webhooks.notify,
+        max_reports_per_minute=settings.drift_max_reports_per_minute,
+    )  # fmt: skip
+    app[DRIFT_ADMIN] = DriftAdmin(db, clock)
     if ingest is not None:
         service = app[INGEST] = IngestService(
-            db, metrics, clock, retention=timedelta(days=settings.telemetry_retention_days)
+            db,
+            metrics,
+            clock,
+            retention=timedelta(days=settings.telemetry_retention_days),
+            drift=drift,
+            drift_retention=timedelta(hours=settings.drift_report_retention_hours),
         )
 
         async def start_ingest(app: web.Application) -> None:
@@ -422,10 +443,6 @@ def create_app(
         log.info("no broker configured: telemetry ingestion is off")
     deployments = DeploymentService(db, KeyStore(settings.data_dir / "keys"), None, clock, settings)
     attach_deployments(app, deployments, broker=ingest, provisioner=provisioner, sessions=sessions)
-    # Reads the webhook secrets now, so a missing or unreadable one stops serve before it starts.
-    webhooks = app[WEBHOOKS] = WebhookDispatcher(
-        db, load_webhooks(settings.webhooks), clock, metrics=metrics
-    )
     rollouts = app[ROLLOUTS] = RolloutService(
         db,
         deployments,

@@ -20,6 +20,14 @@ soon as ``flush_rows`` (500) rows wait: one transaction, one executemany per tab
 ``last_seen_at``/``online`` of the devices heard from. Rows of devices that are not accepted
 (unknown, pending, revoked) are dropped at that point, by one ``SELECT`` per batch.
 
+Drift reports (given a :class:`~controlplane.drift.service.DriftService`) are decoded by
+:func:`controlplane.drift.sample.decode_drift` (the schema's rules, a faster path for the
+features' counts) and handed to the drift store after the batch's own transaction committed,
+in a transaction of their own (:meth:`DriftService.store`: its refusals, aggregates and
+retraining triggers); every drift report refused here (schema, size, unknown device, ...) is
+also counted in ``mcp_cp_drift_reports_refused_total{reason}``. Without a drift service they
+are validated, counted and dropped.
+
 Inference statistics become one ``inference_stats`` row per model, version and role of the
 report: the role written out (``stable``, ``canary``, ``shadow``; rows from before roles hold
 NULL, read as stable), the latency histogram as ``{"edges_ms": [...], "counts": [...]}`` (NULL
@@ -36,7 +44,9 @@ new messages are dropped as ``backlog_full``); other database errors drop the ba
 
 Retention (every ``retention_interval_s``): health samples and inference statistics older than
 ``retention`` are deleted; health samples older than ``downsample_after`` (1 day) are thinned
-to the first sample per device and 5-minute period. Deployment events are kept.
+to the first sample per device and 5-minute period. Deployment events are kept. Drift reports
+older than ``drift_retention`` (2 days) are deleted, and drift aggregates older than
+``retention``.
 """
 
 from __future__ import annotations
@@ -58,6 +68,8 @@ from pydantic import ValidationError
 from mcp_edge.controlplane.broker.base import Credentials
 from mcp_edge.controlplane.db import Database, DatabaseError, UnavailableError
 from mcp_edge.controlplane.db import telemetry as q
+from mcp_edge.controlplane.drift.sample import DriftSample, decode_drift
+from mcp_edge.controlplane.drift.service import DriftService
 from mcp_edge.controlplane.metrics import ControlPlaneMetrics
 from mcp_edge.controlplane.mqtt import BrokerAddress, MqttSubscriber
 from mcp_edge.shared.errors import MessageError, TopicError
@@ -72,6 +84,7 @@ log = logging.getLogger("mcp.controlplane.ingest")
 SHARE_GROUP = "cp"
 LOG_INTERVAL_S = 10.0
 ONLINE, OFFLINE = b"online", b"offline"
+DRIFT_SUFFIX = f"/{Channel.TELEMETRY.value}/{topics.TelemetryKind.DRIFT.value}"
 Clock = Callable[[], datetime]
 
 
@@ -142,6 +155,7 @@ class _Batch:
     events: list[dict[str, Any]] = field(default_factory=list)
     reported: dict[str, dict[str, Any]] = field(default_factory=dict)
     status: dict[str, bool] = field(default_factory=dict)
+    drift: list[DriftSample] = field(default_factory=list)
     messages: list[tuple[str, str]] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -159,6 +173,7 @@ class _Batch:
                 setattr(self, name, [r for r in getattr(self, name) if r["device_id"] in known])
             self.reported = {d: r for d, r in self.reported.items() if d in known}
             self.status = {d: s for d, s in self.status.items() if d in known}
+            self.drift = [s for s in self.drift if s.device_id in known]
         return dropped
 
     def then(self, later: _Batch) -> _Batch:
@@ -169,6 +184,7 @@ class _Batch:
             events=self.events + later.events,
             reported={**self.reported, **later.reported},
             status={**self.status, **later.status},
+            drift=self.drift + later.drift,
             messages=self.messages + later.messages,
         )
 
@@ -219,6 +235,8 @@ class IngestService:
         downsample_after: timedelta = timedelta(days=1),
         retention_interval_s: float = 3600.0,
         share_group: str = SHARE_GROUP,
+        drift: DriftService | None = None,
+        drift_retention: timedelta = timedelta(days=2),
     ) -> None:
         self._db = db
         self._metrics = metrics
@@ -230,6 +248,8 @@ class IngestService:
         self._downsample_after = downsample_after
         self._retention_interval_s = retention_interval_s
         self._share_group = share_group
+        self._drift = drift
+        self._drift_retention = drift_retention
         self._pending = _Batch()
         self._wake = asyncio.Event()
         self._flush_lock = asyncio.Lock()
@@ -302,6 +322,8 @@ class IngestService:
     def _drop(self, reason: DropReason, topic: str, detail: str, count: int = 1) -> None:
         self._metrics.ingest_dropped.labels(reason.value).inc(count)
         self._log.dropped(reason, topic, detail)
+        if self._drift is not None and topic.endswith(DRIFT_SUFFIX):
+            self._drift.refused(reason.value, count)
 
     def _take(self, topic: str, payload: bytes) -> None:
         try:
@@ -329,6 +351,14 @@ class IngestService:
             )
         if len(batch) >= self._max_backlog:
             raise _Dropped(DropReason.BACKLOG_FULL, f"{len(batch)} messages wait for the database")
+        if self._drift is not None and parsed.detail == topics.TelemetryKind.DRIFT.value:
+            try:
+                sample = decode_drift(payload, device_id, self._clock().timestamp())
+            except MessageError as e:
+                raise _Dropped(_classify(e), str(e)) from e
+            batch.drift.append(sample)
+            self._accept(batch, device_id, "drift")
+            return
         try:
             message = decode_for_parsed(parsed, payload)
         except MessageError as e:
@@ -415,7 +445,7 @@ class IngestService:
             }
             return "reported"
         if isinstance(message, DriftReport):
-            # Validated and counted; drift aggregation (DESIGN 4.7) stores its own rows.
+            # Validated and counted; without a drift service nothing stores it.
             return "drift"
         raise _Dropped(DropReason.BAD_TOPIC, f"{type(message).__name__} is not ingested")
 
@@ -445,10 +475,11 @@ class IngestService:
             try:
                 async with self._db.transaction() as tx:
                     known = await q.accepted_among(tx, batch.device_ids())
-                    for device_id, _kind in batch.keep_only(known):
+                    for device_id, kind in batch.keep_only(known):
                         self._drop(
                             DropReason.UNKNOWN_DEVICE,
-                            topics.device_subtree(device_id),
+                            topics.device_subtree(device_id)
+                            + (DRIFT_SUFFIX if kind == "drift" else ""),
                             f"device {device_id!r} is not an accepted device",
                         )
                     await q.insert_health(tx, batch.health)
@@ -463,18 +494,50 @@ class IngestService:
                 return 0
             except DatabaseError as e:
                 self._drop(DropReason.DB_ERROR, "(batch)", str(e), count=len(batch))
+                self._drift_lost(DropReason.DB_ERROR, batch)
                 return 0
             finally:
                 self._metrics.ingest_backlog.set(len(self._pending))
             self._metrics.ingest_flush.observe(time.perf_counter() - started)
-            for kind, n in Counter(k for _, k in batch.messages).items():
+            kinds = Counter(k for _, k in batch.messages)
+            if batch.drift and self._drift is not None:
+                kinds.pop("drift", None)
+                await self._store_drift(batch.drift)
+            for kind, n in kinds.items():
                 self._metrics.ingest_committed.labels(kind).inc(n)
             return len(batch)
+
+    def _drift_lost(self, reason: DropReason, batch: _Batch) -> None:
+        if self._drift is not None and batch.drift:
+            self._drift.refused(reason.value, len(batch.drift))
+
+    async def _store_drift(self, samples: list[DriftSample]) -> None:
+        """Hand the drift reports of a committed batch to the drift store (own transaction)."""
+        assert self._drift is not None
+        try:
+            result = await self._drift.store(samples)
+        except UnavailableError as e:
+            if len(samples) + len(self._pending) > self._max_backlog:
+                self._drop(DropReason.BACKLOG_FULL, DRIFT_SUFFIX, str(e), count=len(samples))
+            else:
+                self._pending.drift[:0] = samples
+                self._pending.messages[:0] = [(s.device_id, "drift") for s in samples]
+                log.warning("ingest: database unavailable, %d drift reports wait", len(samples))
+            return
+        except DatabaseError as e:
+            self._drop(DropReason.DB_ERROR, DRIFT_SUFFIX, str(e), count=len(samples))
+            return
+        except Exception as e:  # a bug must cost one batch of drift reports, not the ingestion
+            log.exception("ingest: storing %d drift reports failed", len(samples))
+            self._drop(DropReason.INTERNAL, DRIFT_SUFFIX, repr(e), count=len(samples))
+            return
+        self._metrics.ingest_committed.labels("drift").inc(result.stored)
 
     def _requeue(self, batch: _Batch, why: str) -> None:
         if len(batch) + len(self._pending) > self._max_backlog:
             # Too far behind: give up the older batch rather than grow without bound.
             self._drop(DropReason.BACKLOG_FULL, "(batch)", why, count=len(batch))
+            self._drift_lost(DropReason.BACKLOG_FULL, batch)
         else:
             self._pending = batch.then(self._pending)
         log.warning("ingest: database unavailable, %d messages wait: %s", len(self._pending), why)
@@ -487,12 +550,17 @@ class IngestService:
         Raises :class:`controlplane.db.DatabaseError`.
         """
         async with self._db.transaction() as tx:
-            return await q.expire_telemetry(
+            result = await q.expire_telemetry(
                 tx,
                 now or self._clock(),
                 retention=self._retention,
                 downsample_after=self._downsample_after,
             )
+        if self._drift is not None:
+            await self._drift.expire(
+                reports_older=self._drift_retention, aggregates_older=self._retention
+            )
+        return result
 
     async def _retention_loop(self) -> None:
         while True:

@@ -17,6 +17,10 @@ process never share counters. Families:
   ``mcp_cp_repo_requests_total{status}`` (answered: ok, not_found, bad_request, error),
   ``mcp_cp_repo_bytes_total`` (payload bytes sent) and ``mcp_cp_repo_dropped_total{reason}``
   (unanswerable requests: wrong response topic, no correlation data, not connected).
+- drift (:mod:`controlplane.drift`): ``mcp_cp_drift_reports_total`` (reports stored),
+  ``mcp_cp_drift_reports_refused_total{reason}`` (refused, by reason: see
+  :class:`controlplane.drift.service.Refusal`), ``mcp_cp_retraining_triggers_total{model}``
+  and ``mcp_cp_drift_store_cpu_seconds`` (CPU time of storing one batch).
 """
 
 from __future__ import annotations
@@ -120,6 +124,30 @@ class ControlPlaneMetrics:
             "mcp_cp_repo_dropped_total",
             "Repository requests over MQTT dropped unanswered, by reason.",
             ["reason"],
+            registry=r,
+        )
+
+        self.drift_reports = Counter(
+            "mcp_cp_drift_reports_total",
+            "Drift reports stored and added to the fleet aggregates.",
+            registry=r,
+        )
+        self.drift_refused = Counter(
+            "mcp_cp_drift_reports_refused_total",
+            "Drift reports refused (never added to an aggregate), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.retraining_triggers = Counter(
+            "mcp_cp_retraining_triggers_total",
+            "Retraining triggers raised, by model.",
+            ["model"],
+            registry=r,
+        )
+        self.drift_store_cpu = Histogram(
+            "mcp_cp_drift_store_cpu_seconds",
+            "CPU time to refuse, store and aggregate one batch of drift reports.",
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
 

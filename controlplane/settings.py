@@ -23,6 +23,8 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     replica_name = "cp-east-1"                  # absent: cp-{host}-{id kept in the data dir}
     inference_interval_s = 30.0                 # how often devices send inference statistics
     rollout_lease_s = 15.0                      # a dead replica's rollouts move on after this
+    drift_max_reports_per_minute = 60           # per device; more are refused (docs/drift.md)
+    drift_report_retention_hours = 48           # device drift reports; buckets: retention_days
 
     [[webhooks]]                                # any number; event delivery, docs/webhooks.md
     name = "ops"                                # identifier: letters, digits, ``_.-``, <= 64
@@ -296,6 +298,12 @@ class Settings:
     when a replica dies, another carries its rollouts on after at most this long."""
     webhooks: tuple[WebhookConfig, ...] = ()
     """Where events (rollout transitions, ...) are delivered (:mod:`controlplane.webhooks`)."""
+    drift_max_reports_per_minute: int = 60
+    """Drift reports one device may send a minute (bursts up to as many); more are refused as
+    ``flood`` and never reach an aggregate (:mod:`controlplane.drift.service`)."""
+    drift_report_retention_hours: int = 48
+    """How long each device's drift reports are kept (the fleet's buckets are kept
+    ``telemetry_retention_days``)."""
 
     @property
     def broker_configured(self) -> bool:
@@ -435,6 +443,18 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             if not 2.0 <= lease <= 3600.0:
                 raise ValueError("rollout_lease_s must be between 2 and 3600 seconds")
             changes["rollout_lease_s"] = lease
+        if values.get("drift_max_reports_per_minute") is not None:
+            rate = int(_number("drift_max_reports_per_minute",
+                               values["drift_max_reports_per_minute"], int))  # fmt: skip
+            if not 1 <= rate <= 100_000:
+                raise ValueError("drift_max_reports_per_minute must be between 1 and 100000")
+            changes["drift_max_reports_per_minute"] = rate
+        if values.get("drift_report_retention_hours") is not None:
+            hours = int(_number("drift_report_retention_hours",
+                                values["drift_report_retention_hours"], int))  # fmt: skip
+            if not 1 <= hours <= 365 * 24:
+                raise ValueError("drift_report_retention_hours must be between 1 and 8760")
+            changes["drift_report_retention_hours"] = hours
         if values.get("replica_name"):
             changes["replica_name"] = valid_replica_name(str(values["replica_name"]))
         if values.get("webhooks") is not None:

@@ -12,6 +12,7 @@ from mcp_edge.controlplane.api import (
     audit,
     deployments,
     devices,
+    drift,
     enroll,
     hard_examples,
     models,
@@ -34,6 +35,7 @@ def all_endpoints() -> list[Endpoint]:
         *models.ENDPOINTS,
         *deployments.ENDPOINTS,
         *rollouts.ENDPOINTS,
+        *drift.ENDPOINTS,
         *hard_examples.ENDPOINTS,
         *apps.ENDPOINTS,
     ]
