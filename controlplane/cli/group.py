@@ -11,6 +11,7 @@ import click
 from mcp_edge.controlplane import __version__
 from mcp_edge.controlplane.cli.apps import COMMANDS as APPS
 from mcp_edge.controlplane.cli.deploy import COMMANDS as DEPLOYMENTS
+from mcp_edge.controlplane.cli.drift import COMMANDS as DRIFT
 from mcp_edge.controlplane.cli.fleet import COMMANDS as FLEET
 from mcp_edge.controlplane.cli.repo import COMMANDS as REPOSITORY
 from mcp_edge.controlplane.cli.rollouts import COMMANDS as ROLLOUTS
@@ -31,5 +32,5 @@ def main(verbose: bool) -> None:
         logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-for _command in (*SERVER, *FLEET, *REPOSITORY, *DEPLOYMENTS, *ROLLOUTS, *APPS):
+for _command in (*SERVER, *FLEET, *REPOSITORY, *DEPLOYMENTS, *ROLLOUTS, *DRIFT, *APPS):
     main.add_command(_command)
