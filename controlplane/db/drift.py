@@ -254,20 +254,20 @@ async def list_reports(
 
 async def device_counts_since(
     tx: Tx, model: str, version: str, device_ids: Collection[str], since: datetime
-) -> dict[str, list[dict[str, Any]]]:
-    """The ``counts`` documents of each device's reports of a version since ``since``."""
-    out: dict[str, list[dict[str, Any]]] = {}
+) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """``(samples, counts)`` of each device's reports of a version received since ``since``."""
+    out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
     for chunk in _chunks(sorted(device_ids)):
         rows = await tx.execute(
-            select(DriftReportRow.device_id, DriftReportRow.counts).where(
+            select(DriftReportRow.device_id, DriftReportRow.samples, DriftReportRow.counts).where(
                 DriftReportRow.model == model,
                 DriftReportRow.version == version,
                 DriftReportRow.received_at >= since,
                 DriftReportRow.device_id.in_(list(chunk)),
             )
         )
-        for device_id, counts in rows:
-            out.setdefault(device_id, []).append(counts)
+        for device_id, samples, counts in rows:
+            out.setdefault(device_id, []).append((int(samples), counts))
     return out
 
 

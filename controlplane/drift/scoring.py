@@ -118,6 +118,10 @@ class Layout:
             "confidence": values[self.confidence] if any(values[self.confidence]) else [],
         }
 
+    def zero(self) -> IntMatrix:
+        """An empty flat vector."""
+        return np.zeros(self.width, dtype=np.int64)
+
     def from_document(self, counts: Mapping[str, Any]) -> IntMatrix:
         """The flat vector of a stored ``counts`` document (what does not fit is left out)."""
         row = np.zeros(self.width, dtype=np.int64)

@@ -43,7 +43,10 @@ class GateMetric(str, enum.Enum):
     """Share of shadowed requests where the new version agreed with the old (floor, 0..1);
     shadow stages only."""
     DRIFT = "drift"
-    """Input drift score of the new version's traffic (ceiling); filled by drift reporting."""
+    """Drift score of the new version's traffic against its bundle's baseline (ceiling, PSI):
+    per device, the largest of input, class and confidence PSI of its drift reports summed
+    since the stage started (:mod:`controlplane.drift.gate`); ``min_requests`` is the samples
+    a device needs for a figure."""
 
     @property
     def is_floor(self) -> bool:
@@ -263,6 +266,7 @@ class DeviceMetrics:
     new: VersionStats | None = None
     old: VersionStats | None = None
     drift: float | None = None
+    """The new version's drift score since the stage started (None: no figure yet)."""
 
 
 class ActionKind(str, enum.Enum):

@@ -6,7 +6,9 @@ One step of one rollout:
 
 1. **Read** (one read transaction): the rollout row, its device rows, what each device reports
    of the model, which versions it reported failed, and its inference statistics of the new and
-   the old version (:func:`controlplane.db.telemetry.version_stats`).
+   the old version (:func:`controlplane.db.telemetry.version_stats`); when the stage has a
+   ``drift`` gate, each device's drift of the new version since the stage started
+   (:func:`controlplane.drift.gate.device_drift`: the score of its summed drift reports).
 2. **Decide**: ``engine.step(spec, state, facts, metrics, now)``, no I/O.
 3. **Write** (one transaction, only when something changed): the new state over the
    ``step_seq`` read (:func:`controlplane.db.rollouts.write_step`: a replica that stepped first
@@ -53,6 +55,7 @@ from mcp_edge.controlplane.deployments import (
     UnknownVersionError,
 )
 from mcp_edge.controlplane.desired import misfits
+from mcp_edge.controlplane.drift.gate import device_drift
 from mcp_edge.controlplane.rollouts import engine
 from mcp_edge.controlplane.rollouts.model import (
     Action,
@@ -61,6 +64,7 @@ from mcp_edge.controlplane.rollouts.model import (
     DeviceMetrics,
     DevicePhase,
     DeviceProgress,
+    GateMetric,
     RolloutSpec,
     RolloutState,
     StageMode,
@@ -560,6 +564,15 @@ class RolloutService:
         if stage_ids and state.stage < len(spec.stages) and state.stage_started_at is not None:
             mode = spec.stages[state.stage].mode
             started = _at(state.stage_started_at)
+            drift_gates = [
+                g for g in spec.stages[state.stage].gates if g.metric is GateMetric.DRIFT
+            ]
+            drift = (
+                await device_drift(tx, spec.model, spec.version, stage_ids, started,
+                                   min_samples=min(g.min_requests for g in drift_gates))
+                if drift_gates
+                else {}
+            )  # fmt: skip
             now_stats = await telemetry_q.version_stats(tx, stage_ids, spec.model, started)
             if mode is StageMode.SWITCH:
                 before = await telemetry_q.version_stats(
@@ -578,6 +591,7 @@ class RolloutService:
                     old=_stats(before.get((device_id, old_version, "stable")))
                     if old_version
                     else None,
+                    drift=drift.get(device_id),
                 )
         return facts, metrics
 
