@@ -110,6 +110,17 @@ def score_counts(
 ) -> DriftScores:
     """Score live counts (already checked to fit ``baseline``'s bins) against it."""
     per, gaps = _feature_scores(baseline, features)
+    return _scores(baseline, per, gaps, class_counts, confidence_counts, samples)
+
+
+def _scores(
+    baseline: DriftBaseline,
+    per: dict[str, float | None],
+    gaps: dict[str, float | None],
+    class_counts: Sequence[int],
+    confidence_counts: Sequence[int],
+    samples: int,
+) -> DriftScores:
     known = [v for v in per.values() if v is not None]
     out = baseline.output
     class_psi = confidence_psi = None
@@ -142,8 +153,16 @@ def _feature_scores(
             {n: psi(e, a) for n, e, a in zip(names, expected, actual, strict=True)},
             {n: ks(e, a) for n, e, a in zip(names, expected, actual, strict=True)},
         )
-    e = np.asarray(expected, dtype=np.float64)
-    a = np.asarray(actual, dtype=np.float64)
+    return _row_scores(
+        names, np.asarray(expected, dtype=np.float64), np.asarray(actual, dtype=np.float64)
+    )
+
+
+def _row_scores(
+    names: list[str], e: FloatArray, a: FloatArray
+) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """:func:`psi` and :func:`ks` of each row of ``a`` against the same row of ``e``
+    (``[features, bins]``), by name; None where either row is empty."""
     e_n, a_n = e.sum(axis=1, keepdims=True), a.sum(axis=1, keepdims=True)
     k = e.shape[1]
     pe = (e + SMOOTHING) / (e_n + SMOOTHING * k)
@@ -195,9 +214,13 @@ class Binner:
         self._edges = [np.asarray(fb.histogram.edges, dtype=np.float64) for fb in baseline.features]
         if self._uniform:
             # Inner edges stacked [F, B-1]: a value's bin is how many inner edges it reaches.
-            self._inner = np.stack([e[1:-1] for e in self._edges])
+            # Inner edges, one row per edge index: row j holds every feature's j-th inner edge.
+            self._inner_rows = np.ascontiguousarray(np.stack([e[1:-1] for e in self._edges]).T)
             self._bins = widths.pop()
             self._offsets = np.arange(len(self._edges), dtype=np.intp) * self._bins
+            self._expected = np.asarray(
+                [fb.histogram.counts for fb in baseline.features], dtype=np.float64
+            )
         self._directions = (
             projection_matrix(
                 baseline.projection_seed, baseline.feature_count, baseline.projections
@@ -231,10 +254,14 @@ class Binner:
         )
         n = values.shape[0]
         if self._uniform:
-            # A value's bin is how many inner edges it reaches: one pass per edge over [N, F].
-            idx = np.broadcast_to(self._offsets, values.shape).copy()
-            for e in range(self._inner.shape[1]):
-                idx += values >= self._inner[:, e]
+            # A value's bin is how many inner edges it reaches: one pass per edge over [N, F],
+            # counted in bytes (at most 255 inner edges).
+            reached = np.zeros(values.shape, dtype=np.uint8)
+            step = np.empty(values.shape, dtype=bool)
+            for row in self._inner_rows:
+                np.greater_equal(values, row, out=step)
+                reached += step.view(np.uint8)
+            idx = reached + self._offsets
             self._grid += np.bincount(idx.ravel(), minlength=self._grid.size).reshape(
                 self._grid.shape
             )
@@ -267,6 +294,20 @@ class Binner:
         )
         self._reset()
         return result
+
+    def take_scored(
+        self,
+    ) -> tuple[tuple[int, dict[str, list[int]], list[int], list[int]], DriftScores]:
+        """:meth:`take` and :func:`score_counts` of what it returns, scored on the binner's own
+        arrays (no conversion of the baseline's counts for every window)."""
+        if not self._uniform:
+            counts = self.take()
+            return counts, score_counts(
+                self.baseline, counts[1], counts[2], counts[3], samples=counts[0]
+            )
+        per, gaps = _row_scores(self.names, self._expected, self._grid.astype(np.float64))
+        counts = self.take()
+        return counts, _scores(self.baseline, per, gaps, counts[2], counts[3], counts[0])
 
 
 def confidences(scores: FloatArray) -> FloatArray:
