@@ -3,14 +3,19 @@
 DESIGN 4.7. A bundle built with ``--baseline`` carries a :class:`DriftBaseline`: fixed bins for
 the model's input (per feature, or per-sample summaries and a random-projection sketch for
 images) and for its answers (arg-max class, top score). :class:`DriftTracker` counts live
-traffic on the same bins, per model version, and sends one :class:`DriftReport` per window.
+traffic on the same bins, per model version, and sends one report per window
+(:class:`~agent.fleet.drift_report.DriftWindowReport`, the plain twin of ``DriftReport``).
 
 Cost, on the request path: the model manager calls :meth:`DriftTracker.observe` once a counted
 request (HTTP or MQTT) has been answered: a dictionary look-up and a countdown for the 1 in
 ``sample_every`` requests that are sampled, and for those an append of references to the input
-and output arrays (no copy, no numpy work). A callback ``DRAIN_DELAY_S`` later bins everything
-buffered since, vectorised over the batch (:class:`shared.drift.Binner`), so the answers never
-wait for the statistics and the per-request share of the binning shrinks with load.
+and output arrays (no copy, no numpy work). A callback on the event loop, ``DRAIN_DELAY_S``
+after the first sample (or as soon as ``DRAIN_BATCH`` are buffered), bins everything buffered
+since, vectorised over the batch (:class:`shared.drift.Binner`), so the answers never wait for
+the statistics and the per-request share of the binning shrinks with load. Measured on the
+digits model (64 features, windows of 200): about 3 µs of CPU per sampled request in all, of
+which the request path pays well under 1 µs; a window's scoring and report cost about what 40
+samples' binning does.
 
 Memory: at most ``max_pending`` sampled requests and ``max_pending_bytes`` of their inputs are
 buffered between drains (more are dropped and counted, reason ``buffer_full``); each version
@@ -41,14 +46,12 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from mcp_edge.agent.fleet.drift_rows import Item, Rows, gather
+from mcp_edge.agent.fleet.drift_report import DriftWindowReport, describe, summary, window_report
+from mcp_edge.agent.fleet.drift_rows import Item, Rows, chunks, gather
 from mcp_edge.agent.fleet.hard_examples import (
-    Example,
     HardExampleReservoir,
+    keep_hard_examples,
     parse_upload_args,
-    raw_tensor,
     select_for_upload,
 )
 from mcp_edge.agent.fleet.telemetry import _version_text as version_text
@@ -63,15 +66,16 @@ if TYPE_CHECKING:
     from mcp_edge.shared.profiles import HardwareProfile
     from mcp_edge.shared.protocol.command import CommandRequest
     from mcp_edge.shared.protocol.state import DriftPolicy
-    from mcp_edge.shared.protocol.telemetry import DriftReport
 
 log = logging.getLogger("mcp.agent.drift")
 
-Publish = Callable[["DriftReport"], Awaitable[None]]
+Publish = Callable[[DriftWindowReport], Awaitable[None]]
 """Sends one closed window upstream (the fleet session's ``publish_drift``: spooled)."""
 
-DRAIN_DELAY_S = 0.02
+DRAIN_DELAY_S = 0.05
 """Seconds between the first sample buffered and the binning of everything buffered by then."""
+DRAIN_BATCH = 256
+"""Samples buffered that are binned at once, without waiting for ``DRAIN_DELAY_S``."""
 TICK_S = 0.5
 """How often windows are checked against ``window_s``."""
 MAX_QUEUED_REPORTS = 256
@@ -129,6 +133,7 @@ class DriftTracker:
         max_pending: int = 4096,
         max_pending_bytes: int = 32 * 1024 * 1024,
         drain_delay_s: float = DRAIN_DELAY_S,
+        drain_batch: int = DRAIN_BATCH,
         tick_s: float = TICK_S,
     ) -> None:
         self.device_id = device_id
@@ -138,6 +143,7 @@ class DriftTracker:
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
         self.drain_delay_s = drain_delay_s
+        self.drain_batch = drain_batch
         self.tick_s = tick_s
         self.policy: DriftPolicy | None = None
         self._on = True
@@ -149,9 +155,9 @@ class DriftTracker:
         """Tracks with pending samples."""
         self._pending_count = 0
         self._pending_bytes = 0
-        self._scheduled: asyncio.TimerHandle | None = None
+        self._scheduled: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queue: collections.deque[DriftReport] = collections.deque()
+        self._queue: collections.deque[DriftWindowReport] = collections.deque()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -199,8 +205,12 @@ class DriftTracker:
         track.pending.append((role, x, y))
         self._pending_count += 1
         self._pending_bytes += size
-        if self._scheduled is None and self._loop is not None:
-            self._scheduled = self._loop.call_later(self.drain_delay_s, self._drain_now)
+        if self._loop is not None:
+            if self._scheduled is None:
+                self._scheduled = self._loop.call_later(self.drain_delay_s, self._drain_now)
+            elif self._pending_count == self.drain_batch:
+                self._scheduled.cancel()
+                self._scheduled = self._loop.call_soon(self._drain_now)
 
     def _track_for(self, source: ModelSource) -> _Track:
         baseline = source.drift_baseline
@@ -228,7 +238,7 @@ class DriftTracker:
             self.metrics.drift_dropped.labels(track.name, reason).inc(n)
 
     # ------------------------------------------------------------------ binning (off the path)
-    def drain(self, now: float | None = None) -> list[DriftReport]:
+    def drain(self, now: float | None = None) -> list[DriftWindowReport]:
         """Bin every buffered sample; returns the windows that closed by size."""
         if self._scheduled is not None:
             self._scheduled.cancel()
@@ -239,11 +249,11 @@ class DriftTracker:
         big = self._pending_bytes * 8 > CHUNK_BYTES  # float64 of the smallest dtype
         self._pending_count = self._pending_bytes = 0
         t = self.clock() if now is None else now
-        reports: list[DriftReport] = []
+        reports: list[DriftWindowReport] = []
         for track in dirty:
             items, track.pending = track.pending, []
             track.last = t
-            for chunk in _chunks(items) if big else (items,):
+            for chunk in chunks(items, CHUNK_BYTES) if big else (items,):
                 try:
                     reports.extend(self._bin(track, chunk, t))
                 except Exception:  # one version's odd data must not stop the others
@@ -251,7 +261,7 @@ class DriftTracker:
                     self._drop(track, "internal", len(chunk))
         return reports
 
-    def _bin(self, track: _Track, items: list[Item], now: float) -> list[DriftReport]:
+    def _bin(self, track: _Track, items: list[Item], now: float) -> list[DriftWindowReport]:
         baseline = track.baseline
         assert baseline is not None
         if track.binner is None:
@@ -281,13 +291,13 @@ class DriftTracker:
         scores: Array,
         has: Array,
         now: float,
-    ) -> list[DriftReport]:
+    ) -> list[DriftWindowReport]:
         """Add rows to the open window, closing it each time it is full (or the role
         changes)."""
         binner = track.binner
         assert binner is not None and self.policy is not None
         size = self.policy.window_requests
-        reports: list[DriftReport] = []
+        reports: list[DriftWindowReport] = []
         for a, b, role in segments:
             while a < b:
                 if track.start is not None and track.role is not role:
@@ -308,83 +318,34 @@ class DriftTracker:
         return reports
 
     def _keep_hard(self, track: _Track, rows: Rows, max_confidence: float, now: float) -> None:
-        from mcp_edge.shared.drift import confidences
-
-        has = rows.has_scores
-        if not has.any():
-            return
-        conf = np.full(has.shape[0], np.inf)
-        conf[has] = confidences(rows.scores[has])
-        picked = np.flatnonzero(conf <= max_confidence)[-MAX_HARD_PER_DRAIN:]
-        for r in picked.tolist():
-            x, y, _ = rows.source_row(r)
-            tensor = raw_tensor(track.input_name, x)
-            if tensor is None:
-                continue
-            out = raw_tensor(track.output_name, y) if y is not None and track.output_name else None
-            self.reservoir.add(
-                Example(
-                    model=track.name, version=track.version, ts=now,
-                    confidence=float(conf[r]), predicted=int(np.argmax(rows.scores[r])),
-                    input=tensor, output=out,
-                )
-            )  # fmt: skip
+        keep_hard_examples(
+            self.reservoir, rows, model=track.name, version=track.version,
+            input_name=track.input_name, output_name=track.output_name,
+            max_confidence=max_confidence, now=now, limit=MAX_HARD_PER_DRAIN,
+        )  # fmt: skip
         self._hard_metric()
 
     def _hard_metric(self) -> None:
         if self.metrics is not None:
             self.metrics.hard_example_bytes.set(self.reservoir.bytes)
 
-    def _close(self, track: _Track, now: float) -> list[DriftReport]:
+    def _close(self, track: _Track, now: float) -> list[DriftWindowReport]:
         """Close ``track``'s open window; its report (none for an empty window)."""
-        from mcp_edge.shared.drift import score_counts
-        from mcp_edge.shared.protocol.telemetry import DriftReport
-
         start, track.start = track.start, None
-        binner, baseline = track.binner, track.baseline
-        if start is None or binner is None or baseline is None:
+        binner = track.binner
+        if start is None or binner is None or binner.samples == 0:
             return []
-        samples, features, classes, confidence = binner.take()
-        if samples == 0:
-            return []
-        scores = score_counts(baseline, features, classes, confidence, samples=samples)
-        try:
-            report = DriftReport.model_validate(
-                {
-                    "device_id": self.device_id,
-                    "ts": now,
-                    "model": track.name,
-                    "version": version_text(track.version),
-                    "role": track.role,
-                    "window_start": start,
-                    "window_end": max(now, start),
-                    "samples": samples,
-                    "sample_every": track.every,
-                    "features": [
-                        {
-                            "name": n,
-                            "counts": c,
-                            "psi": scores.features.get(n),
-                            "ks": scores.ks.get(n),
-                        }
-                        for n, c in features.items()
-                    ],
-                    "class_counts": classes,
-                    "class_psi": scores.class_psi,
-                    "confidence_counts": confidence,
-                    "confidence_psi": scores.confidence_psi,
-                    "input_psi": scores.input_psi,
-                    "hard_examples": self.reservoir.held(track.name, track.version),
-                }
-            )  # one validation of the whole report: far cheaper than a model per feature
-        except ValueError as e:
-            log.warning("drift of %s %s: window not sent: %s", track.name, track.version, e)
-            self._drop(track, "report", samples)
-            return []
+        counts, scores = binner.take_scored()
         self.windows += 1
-        return [report]
+        return [
+            window_report(
+                device_id=self.device_id, model=track.name, version=version_text(track.version),
+                role=track.role, start=start, now=now, sample_every=track.every, counts=counts,
+                scores=scores, hard_examples=self.reservoir.held(track.name, track.version),
+            )
+        ]  # fmt: skip
 
-    def expire(self, now: float | None = None) -> list[DriftReport]:
+    def expire(self, now: float | None = None) -> list[DriftWindowReport]:
         """Close the windows open for ``window_s`` or more (bins what is buffered first) and
         forget versions idle for a whole window."""
         t = self.clock() if now is None else now
@@ -402,7 +363,7 @@ class DriftTracker:
                 del self._tracks[key]
         return reports
 
-    def flush(self, now: float | None = None) -> list[DriftReport]:
+    def flush(self, now: float | None = None) -> list[DriftWindowReport]:
         """Bin what is buffered and close every open window now."""
         t = self.clock() if now is None else now
         reports = self.drain(t)
@@ -476,7 +437,7 @@ class DriftTracker:
         except Exception:
             log.exception("drift binning failed")
 
-    def _emit(self, reports: list[DriftReport]) -> None:
+    def _emit(self, reports: list[DriftWindowReport]) -> None:
         for r in reports:
             if len(self._queue) >= MAX_QUEUED_REPORTS:
                 self._queue.popleft()
@@ -485,7 +446,7 @@ class DriftTracker:
         if reports:
             self._wake.set()
 
-    async def _send(self, report: DriftReport) -> None:
+    async def _send(self, report: DriftWindowReport) -> None:
         try:
             await self._publish(report)
         except Exception:
@@ -510,47 +471,12 @@ class DriftTracker:
                 log.exception("drift window check failed")
 
 
-def describe(policy: DriftPolicy) -> str:
-    """One line for the log."""
-    if not policy.enabled:
-        return "off"
-    hard = (
-        f"hard examples up to confidence {policy.hard_example_max_confidence:g} within "
-        f"{policy.hard_example_budget_bytes} bytes"
-        if policy.hard_examples
-        else "no hard examples"
-    )
-    return (
-        f"windows of {policy.window_requests} samples or {policy.window_s:g} s, "
-        f"1 in {policy.sample_every} requests sampled, {hard}"
-    )
-
-
-def _chunks(items: list[Item]) -> list[list[Item]]:
-    """``items`` in runs whose inputs, as float64, stay under :data:`CHUNK_BYTES`."""
-    out: list[list[Item]] = [[]]
-    size = 0
-    for item in items:
-        x = item[1]
-        need = x.size * 8
-        if out[-1] and size + need > CHUNK_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(item)
-        size += need
-    return out
-
-
 def local_drift(policy: DriftPolicy) -> Callable[[ModelManager, HardwareProfile], Any]:
     """An ``attach`` hook for :func:`agent.serving.serve.run_server` (``mcp-agent serve``, no
     control plane): measures drift under ``policy`` and logs each window in one line."""
 
-    async def log_report(report: DriftReport) -> None:
-        log.info(
-            "drift %s %s: %d samples, input PSI %s, class PSI %s, confidence PSI %s",
-            report.model, report.version, report.samples, _fmt(report.input_psi),
-            _fmt(report.class_psi), _fmt(report.confidence_psi),
-        )  # fmt: skip
+    async def log_report(report: DriftWindowReport) -> None:
+        log.info("drift %s", summary(report))
 
     @contextlib.asynccontextmanager
     async def attach(manager: ModelManager, profile: HardwareProfile) -> AsyncIterator[object]:
@@ -565,7 +491,3 @@ def local_drift(policy: DriftPolicy) -> Callable[[ModelManager, HardwareProfile]
             await tracker.close()
 
     return attach
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"

@@ -176,3 +176,18 @@ def _scores(ys: list[Array | None], counts: list[int] | None, n: int, classes: i
             out[at : at + c] = y.reshape(c, classes)
         at += c
     return out
+
+
+def chunks(items: list[Item], max_bytes: int) -> list[list[Item]]:
+    """``items`` in runs whose inputs, as float64, stay under ``max_bytes`` (one item may
+    exceed it alone)."""
+    out: list[list[Item]] = [[]]
+    size = 0
+    for item in items:
+        need = item[1].size * 8
+        if out[-1] and size + need > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(item)
+        size += need
+    return out

@@ -29,6 +29,7 @@ from mcp_edge.shared.protocol.topics import validate_id
 from mcp_edge.shared.protocol.wire import Datatype
 
 if TYPE_CHECKING:
+    from mcp_edge.agent.fleet.drift_rows import Rows
     from mcp_edge.shared.protocol.telemetry import HardExample, TensorBytes
 
 MAX_UPLOAD_EXAMPLES = 4096
@@ -201,6 +202,41 @@ class HardExampleReservoir:
                 kept.append(ex)
         self._examples = kept
         return chosen
+
+
+def keep_hard_examples(
+    reservoir: HardExampleReservoir,
+    rows: Rows,
+    *,
+    model: str,
+    version: str,
+    input_name: str,
+    output_name: str | None,
+    max_confidence: float,
+    now: float,
+    limit: int,
+) -> None:
+    """Put into ``reservoir`` the rows (at most the newest ``limit``) whose top score is at most
+    ``max_confidence``, as their requests held them."""
+    from mcp_edge.shared.drift import confidences
+
+    has = rows.has_scores
+    if not has.any():
+        return
+    conf = np.full(has.shape[0], np.inf)
+    conf[has] = confidences(rows.scores[has])
+    for r in np.flatnonzero(conf <= max_confidence)[-limit:].tolist():
+        x, y, _ = rows.source_row(r)
+        tensor = raw_tensor(input_name, x)
+        if tensor is None:
+            continue
+        out = raw_tensor(output_name, y) if y is not None and output_name else None
+        reservoir.add(
+            Example(
+                model=model, version=version, ts=now, confidence=float(conf[r]),
+                predicted=int(np.argmax(rows.scores[r])), input=tensor, output=out,
+            )
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

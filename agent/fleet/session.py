@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from mcp_edge.agent import __version__
 from mcp_edge.agent.fleet.control import CommandHandler, ControlChannel, DesiredHandler
 from mcp_edge.agent.fleet.drift import DriftTracker
+from mcp_edge.agent.fleet.drift_report import DriftWindowReport
 from mcp_edge.agent.fleet.metrics import FleetMetrics
 from mcp_edge.agent.fleet.mqtt_inference import (
     DEFAULT_MAX_REPLY_BYTES,
@@ -421,7 +422,9 @@ class FleetSession:
             SpoolKind.INFERENCE, topics.telemetry(self.device_id, "inference"), payload
         )
 
-    async def publish_drift(self, report: DriftReport) -> None:
+    async def publish_drift(self, report: DriftWindowReport | DriftReport) -> None:
+        """Queue one drift window (:mod:`agent.fleet.drift`); when the spool is over its bound,
+        drift reports are dropped last among telemetry (oldest first)."""
         self._own(report.device_id)
         await self.enqueue(
             SpoolKind.DRIFT, topics.telemetry(self.device_id, "drift"), encode_report(report)

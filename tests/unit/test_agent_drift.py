@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from mcp_edge.agent.fleet.drift import DriftTracker
+from mcp_edge.agent.fleet.drift_report import DriftWindowReport
 from mcp_edge.agent.fleet.hard_examples import Example, HardExampleReservoir, RawTensor
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool
@@ -32,7 +33,8 @@ from mcp_edge.shared.drift import Binner
 from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.protocol.command import CommandRequest
-from mcp_edge.shared.protocol.reports import InferenceRole
+from mcp_edge.shared.protocol import decode
+from mcp_edge.shared.protocol.reports import InferenceRole, encode_report
 from mcp_edge.shared.protocol.state import DriftPolicy
 from mcp_edge.shared.protocol.telemetry import DriftReport, HardExampleBatch
 from mcp_edge.shared.protocol.wire import CommandName
@@ -72,10 +74,10 @@ class Sent:
     """The fake session: what ``publish_drift`` was given."""
 
     def __init__(self) -> None:
-        self.reports: list[DriftReport] = []
+        self.reports: list[DriftWindowReport] = []
         self._changed = asyncio.Condition()
 
-    async def __call__(self, report: DriftReport) -> None:
+    async def __call__(self, report: DriftWindowReport) -> None:
         async with self._changed:
             self.reports.append(report)
             self._changed.notify_all()
@@ -104,8 +106,8 @@ def expected_counts(baseline: DriftBaseline, rows: np.ndarray) -> dict[str, list
     return b.take()[1]
 
 
-def counts_of(report: DriftReport) -> dict[str, list[int]]:
-    return {f.name: list(f.counts) for f in report.features}
+def counts_of(report: DriftWindowReport) -> dict[str, list[int]]:
+    return {f["name"]: list(f["counts"]) for f in report.features}
 
 
 # ------------------------------------------------------------------------------ sampling, windows
@@ -125,8 +127,12 @@ def test_one_in_n_answered_requests_is_binned_and_windows_close_at_window_reques
     assert counts_of(reports[0]) == expected_counts(baseline, sampled[:10])
     assert counts_of(reports[1]) == expected_counts(baseline, sampled[10:20])
     assert sum(reports[0].class_counts) == sum(reports[0].confidence_counts) == 10
+    # What goes on the wire is what the control plane's schema reads, byte for byte.
+    for r in reports:
+        wire = encode_report(r)
+        assert encode_report(decode(wire, DriftReport)) == wire
     assert reports[0].input_psi is not None and reports[0].class_psi is not None
-    assert all(f.psi is not None and f.ks is not None for f in reports[0].features)
+    assert all("psi" in f and "ks" in f for f in reports[0].features)
     # The one left over goes out when the window is closed.
     rest = t.flush()
     assert [r.samples for r in rest] == [1]
@@ -406,5 +412,8 @@ def test_window_scores_are_the_psi_and_ks_of_each_feature(baseline: DriftBaselin
         assert scores.features[fb.name] == pytest.approx(psi(fb.histogram.counts,
                                                              features[fb.name]), rel=1e-12)  # fmt: skip
         assert scores.ks[fb.name] == pytest.approx(ks(fb.histogram.counts, features[fb.name]))
+    b.add(RNG.normal(size=(300, 4)) * 1.3 + 0.2, softmax(RNG.normal(size=(300, 3))) * 1.0)
+    counts, own = b.take_scored()
+    assert own == score_counts(baseline, counts[1], counts[2], counts[3], samples=counts[0])
     empty = score_counts(baseline, {n: [0] * len(c) for n, c in features.items()})
     assert set(empty.features.values()) == {None} and empty.input_psi is None
