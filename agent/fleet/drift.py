@@ -81,8 +81,6 @@ TICK_S = 0.5
 MAX_QUEUED_REPORTS = 256
 CHUNK_BYTES = 16 * 1024 * 1024
 """Float64 matrix size binned at once (bounds the drain's transient memory)."""
-MAX_HARD_PER_DRAIN = 64
-"""Hard examples taken from one drain of one version (the newest rows)."""
 
 
 class _Track:
@@ -90,13 +88,15 @@ class _Track:
 
     __slots__ = (
         "baseline", "binner", "countdown", "every", "input_name", "last", "name",
-        "output_name", "pending", "role", "start", "version",
+        "output_name", "pending", "role", "start", "version", "wire_version",
     )  # fmt: skip
 
     def __init__(
         self, name: str, version: str, baseline: DriftBaseline | None, every: int, now: float
     ) -> None:
         self.name, self.version, self.baseline = name, version, baseline
+        self.wire_version = version_text(version)
+        """The version as reports and hard examples name it (semver text)."""
         self.input_name = baseline.input if baseline is not None else ""
         out = baseline.output if baseline is not None else None
         self.output_name = out.output if out is not None else None
@@ -319,9 +319,9 @@ class DriftTracker:
 
     def _keep_hard(self, track: _Track, rows: Rows, max_confidence: float, now: float) -> None:
         keep_hard_examples(
-            self.reservoir, rows, model=track.name, version=track.version,
+            self.reservoir, rows, model=track.name, version=track.wire_version,
             input_name=track.input_name, output_name=track.output_name,
-            max_confidence=max_confidence, now=now, limit=MAX_HARD_PER_DRAIN,
+            max_confidence=max_confidence, now=now,
         )  # fmt: skip
         self._hard_metric()
 
@@ -339,9 +339,9 @@ class DriftTracker:
         self.windows += 1
         return [
             window_report(
-                device_id=self.device_id, model=track.name, version=version_text(track.version),
+                device_id=self.device_id, model=track.name, version=track.wire_version,
                 role=track.role, start=start, now=now, sample_every=track.every, counts=counts,
-                scores=scores, hard_examples=self.reservoir.held(track.name, track.version),
+                scores=scores, hard_examples=self.reservoir.held(track.name, track.wire_version),
             )
         ]  # fmt: skip
 
@@ -402,7 +402,7 @@ class DriftTracker:
         self._emit(self.drain())  # what was answered until now counts
         budget = self.reservoir.budget_bytes
         request = parse_upload_args(req.args, budget)
-        result = select_for_upload(self.reservoir, request, version_text)
+        result = select_for_upload(self.reservoir, request)
         self._hard_metric()
         log.info(
             "uploaded %d hard examples of %s (%d bytes; %d held)",

@@ -91,12 +91,12 @@ class Example:
         """Raw tensor bytes (input and output): what the budget and ``max_bytes`` count."""
         return len(self.input.data) + (len(self.output.data) if self.output else 0)
 
-    def wire(self, version_text: str) -> HardExample:
+    def wire(self) -> HardExample:
         from mcp_edge.shared.protocol.telemetry import HardExample
 
         return HardExample(
             model=self.model,
-            version=version_text,
+            version=self.version,
             ts=self.ts,
             confidence=min(1.0, max(0.0, self.confidence)),
             predicted=self.predicted,
@@ -214,29 +214,35 @@ def keep_hard_examples(
     output_name: str | None,
     max_confidence: float,
     now: float,
-    limit: int,
 ) -> None:
-    """Put into ``reservoir`` the rows (at most the newest ``limit``) whose top score is at most
-    ``max_confidence``, as their requests held them."""
+    """Put into ``reservoir`` the rows whose top score is at most ``max_confidence``, as their
+    requests held them. Only the newest that fit in the budget together are built (older ones
+    of the same batch would be evicted by them at once), which bounds the work of a batch."""
     from mcp_edge.shared.drift import confidences
 
     has = rows.has_scores
-    if not has.any():
+    if not has.any() or reservoir.budget_bytes == 0:
         return
     conf = np.full(has.shape[0], np.inf)
     conf[has] = confidences(rows.scores[has])
-    for r in np.flatnonzero(conf <= max_confidence)[-limit:].tolist():
+    newest: list[Example] = []
+    size = 0
+    for r in reversed(np.flatnonzero(conf <= max_confidence).tolist()):
         x, y, _ = rows.source_row(r)
         tensor = raw_tensor(input_name, x)
         if tensor is None:
             continue
         out = raw_tensor(output_name, y) if y is not None and output_name else None
-        reservoir.add(
-            Example(
-                model=model, version=version, ts=now, confidence=float(conf[r]),
-                predicted=int(np.argmax(rows.scores[r])), input=tensor, output=out,
-            )
+        ex = Example(
+            model=model, version=version, ts=now, confidence=float(conf[r]),
+            predicted=int(np.argmax(rows.scores[r])), input=tensor, output=out,
         )  # fmt: skip
+        size += ex.nbytes
+        if size > reservoir.budget_bytes and newest:
+            break
+        newest.append(ex)
+    for ex in reversed(newest):
+        reservoir.add(ex)
 
 
 @dataclass(frozen=True)
@@ -279,11 +285,9 @@ def parse_upload_args(args: Mapping[str, Any], budget_bytes: int) -> UploadReque
 def select_for_upload(
     reservoir: HardExampleReservoir,
     request: UploadRequest,
-    version_text: Any,
 ) -> dict[str, Any]:
     """Take the examples ``request`` asks for out of ``reservoir`` and build the reply's
-    ``result``: ``HardExampleBatch.model_dump(mode="json")``. ``version_text(version)`` gives
-    the wire version of a version as the agent names it."""
+    ``result``: ``HardExampleBatch.model_dump(mode="json")``."""
     from mcp_edge.shared.protocol.telemetry import HardExampleBatch
 
     encoded = 0
@@ -291,7 +295,7 @@ def select_for_upload(
 
     def fits(ex: Example) -> bool:
         nonlocal encoded
-        wire = ex.wire(version_text(ex.version))
+        wire = ex.wire()
         size = len(wire.model_dump_json(exclude_none=True)) + 1
         if encoded + size > MAX_UPLOAD_ENCODED:
             return False

@@ -32,8 +32,8 @@ from mcp_edge.shared.bundle.manifest import DriftBaseline
 from mcp_edge.shared.drift import Binner
 from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.profiles import load_profiles
-from mcp_edge.shared.protocol.command import CommandRequest
 from mcp_edge.shared.protocol import decode
+from mcp_edge.shared.protocol.command import CommandRequest
 from mcp_edge.shared.protocol.reports import InferenceRole, encode_report
 from mcp_edge.shared.protocol.state import DriftPolicy
 from mcp_edge.shared.protocol.telemetry import DriftReport, HardExampleBatch
@@ -347,6 +347,21 @@ async def test_upload_arguments_are_checked_and_max_bytes_is_capped_by_the_budge
                 {"model": "m", "max_bytes": True}, {"model": "m", "extra": 1}):  # fmt: skip
         with pytest.raises(MessageError):
             await t.upload_hard_examples(command(**bad))
+
+
+async def test_of_one_batch_the_newest_hard_examples_that_fit_are_kept(
+    source: ModelSource,
+) -> None:
+    t, _ = tracker(hard_examples=True, hard_example_max_confidence=1.0,
+                   hard_example_budget_bytes=3 * 28)  # fmt: skip
+    rows = [np.full((1, 4), i, np.float32) for i in range(10)]
+    for x in rows:
+        t.observe(source, STABLE, {"x": x}, {"y": np.array([[0.5, 0.3, 0.2]], np.float32)})
+    t.drain()  # one batch of ten, three fit
+    batch = HardExampleBatch.model_validate(await t.upload_hard_examples(command(model="m")))
+    assert [base64.b64decode(e.input.data_b64) for e in batch.examples] == [
+        x.tobytes() for x in rows[-3:]
+    ]
 
 
 async def test_hard_examples_off_keeps_nothing(source: ModelSource) -> None:
