@@ -471,7 +471,9 @@ class DriftTracker:
                 log.exception("drift window check failed")
 
 
-def local_drift(policy: DriftPolicy) -> Callable[[ModelManager, HardwareProfile], Any]:
+def local_drift(
+    policy: DriftPolicy,
+) -> Callable[[ModelManager, HardwareProfile], contextlib.AbstractAsyncContextManager[object]]:
     """An ``attach`` hook for :func:`agent.serving.serve.run_server` (``mcp-agent serve``, no
     control plane): measures drift under ``policy`` and logs each window in one line."""
 
