@@ -13,9 +13,8 @@ and output arrays (no copy, no numpy work). A callback on the event loop, ``DRAI
 after the first sample (or as soon as ``DRAIN_BATCH`` are buffered), bins everything buffered
 since, vectorised over the batch (:class:`shared.drift.Binner`), so the answers never wait for
 the statistics and the per-request share of the binning shrinks with load. Measured on the
-digits model (64 features, windows of 200): about 3 µs of CPU per sampled request in all, of
-which the request path pays well under 1 µs; a window's scoring and report cost about what 40
-samples' binning does.
+digits model (64 features, windows of 200): 3 to 5 µs of CPU per sampled request in all (the
+window's scores, report and encoding included), of which the request path pays under 1 µs.
 
 Memory: at most ``max_pending`` sampled requests and ``max_pending_bytes`` of their inputs are
 buffered between drains (more are dropped and counted, reason ``buffer_full``); each version
