@@ -343,6 +343,20 @@ def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None
 @click.option("--max-body-mb", default=8, show_default=True, type=click.IntRange(1, 1024))
 @click.option("--access-log", is_flag=True, help="Log every request.")
 @click.option(
+    "--drift/--no-drift",
+    default=False,
+    show_default=True,
+    help="Measure drift of the bundles that carry a baseline and log each window "
+    "(docs/agent.md, Drift).",
+)
+@click.option(
+    "--drift-sample-every",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 1_000_000),
+    help="With --drift: bin 1 in N answered requests.",
+)
+@click.option(
     "--log-level",
     default="info",
     show_default=True,
@@ -370,6 +384,8 @@ def serve_command(
     state_dir: Path | None,
     max_body_mb: int,
     access_log: bool,
+    drift: bool,
+    drift_sample_every: int,
     log_level: str,
 ) -> None:
     """Serve models over HTTP (Open Inference Protocol v2 and /v1/infer) with no control plane.
@@ -415,4 +431,10 @@ def serve_command(
         candidates=candidates,
         canary_max_error_rate=canary_max_error_rate,
     )
-    run_until_stopped(config)
+    attach = None
+    if drift:  # pydantic (the policy) and the drift maths load only when asked
+        from mcp_edge.agent.fleet.drift import local_drift
+        from mcp_edge.shared.protocol.state import DriftPolicy
+
+        attach = local_drift(DriftPolicy(sample_every=drift_sample_every))
+    run_until_stopped(config, attach)
