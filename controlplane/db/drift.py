@@ -11,9 +11,10 @@ from __future__ import annotations
 import typing
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
+import orjson
 from sqlalchemy import Table, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
@@ -144,29 +145,33 @@ async def baseline_of(tx: Tx, model: str, version: str) -> tuple[bool, dict[str,
 
 
 # ---------------------------------------------------------------------------- who runs what
-async def desired_versions(tx: Tx, device_ids: Collection[str]) -> set[tuple[str, str, str]]:
-    """``(device, model, version)`` for every version the devices are told to run (stable,
-    canary or shadow)."""
-    out: set[tuple[str, str, str]] = set()
+async def running_devices(
+    tx: Tx, model: str, version: str, device_ids: Collection[str]
+) -> set[str]:
+    """The devices among ``device_ids`` told to run ``version`` of ``model`` (as stable, canary
+    or shadow)."""
+    out: set[str] = set()
+    told = (
+        (DeviceModelRow.stable_version == version)
+        | (DeviceModelRow.canary_version == version)
+        | (DeviceModelRow.shadow_version == version)
+    )
     for chunk in _chunks(sorted(device_ids)):
-        rows = await tx.execute(
-            select(
-                DeviceModelRow.device_id,
-                DeviceModelRow.model,
-                DeviceModelRow.stable_version,
-                DeviceModelRow.canary_version,
-                DeviceModelRow.shadow_version,
-            ).where(DeviceModelRow.device_id.in_(list(chunk)))
+        rows = await tx.scalars(
+            select(DeviceModelRow.device_id).where(
+                DeviceModelRow.model == model, told, DeviceModelRow.device_id.in_(list(chunk))
+            )
         )
-        for device_id, model, *versions in rows:
-            out.update((device_id, model, v) for v in versions if v)
+        out.update(rows)
     return out
 
 
-async def reported_versions(tx: Tx, device_ids: Collection[str]) -> set[tuple[str, str, str]]:
-    """``(device, model, version)`` for every version the devices report running (active,
-    canary or shadow) in their last reported state."""
-    out: set[tuple[str, str, str]] = set()
+async def reported_running(
+    tx: Tx, model: str, version: str, device_ids: Collection[str]
+) -> set[str]:
+    """The devices among ``device_ids`` whose last reported state runs ``version`` of
+    ``model`` (active, canary or shadow)."""
+    out: set[str] = set()
     for chunk in _chunks(sorted(device_ids)):
         rows = await tx.execute(
             select(ReportedStateRow.device_id, ReportedStateRow.document).where(
@@ -176,18 +181,52 @@ async def reported_versions(tx: Tx, device_ids: Collection[str]) -> set[tuple[st
         for device_id, document in rows:
             models = document.get("models") if isinstance(document, dict) else None
             for m in models if isinstance(models, list) else ():
-                if not isinstance(m, dict) or not isinstance(m.get("name"), str):
-                    continue
-                for key in ("active_version", "canary_version", "shadow_version"):
-                    if isinstance(m.get(key), str):
-                        out.add((device_id, m["name"], m[key]))
+                if (
+                    isinstance(m, dict)
+                    and m.get("name") == model
+                    and version in (m.get("active_version"), m.get("canary_version"),
+                                    m.get("shadow_version"))
+                ):  # fmt: skip
+                    out.add(device_id)
     return out
 
 
 # ---------------------------------------------------------------------------- reports
-async def insert_reports(tx: Tx, rows: Sequence[dict[str, Any]]) -> int:
-    if rows:
-        await tx.execute(insert(REPORTS), list(rows))
+REPORT_COLUMNS = (
+    "device_id", "model", "version", "role", "received_at", "window_start", "window_end",
+    "samples", "sample_every", "score", "input_psi", "class_psi", "confidence_psi", "counts",
+    "hard_examples",
+)  # fmt: skip
+"""The order of a report row's values (:func:`insert_reports`)."""
+_SQLITE_INSERT = (
+    f"INSERT INTO drift_reports ({', '.join(REPORT_COLUMNS)}) "
+    f"VALUES ({', '.join('?' for _ in REPORT_COLUMNS)})"
+)
+_RECEIVED, _COUNTS = REPORT_COLUMNS.index("received_at"), REPORT_COLUMNS.index("counts")
+
+
+def _sqlite_time(at: datetime) -> str:
+    """A UTC time as SQLAlchemy's SQLite ``DATETIME`` stores it (``YYYY-MM-DD HH:MM:SS.ffffff``,
+    what :class:`UtcDateTime` reads back)."""
+    return at.astimezone(timezone.utc).replace(tzinfo=None).isoformat(" ", "microseconds")
+
+
+async def insert_reports(tx: Tx, rows: Sequence[Sequence[Any]]) -> int:
+    """Insert reports, each a tuple of values in :data:`REPORT_COLUMNS` order (``received_at``
+    an aware datetime, ``counts`` a JSON-able mapping). One executemany; on SQLite straight to
+    the driver, whose insert costs less than the per-row parameter processing it saves."""
+    if not rows:
+        return 0
+    if tx.get_bind().dialect.name == "sqlite":
+        params = [
+            (*r[:_RECEIVED], _sqlite_time(r[_RECEIVED]), *r[_RECEIVED + 1 : _COUNTS],
+             orjson.dumps(r[_COUNTS]).decode(), *r[_COUNTS + 1 :])
+            for r in rows
+        ]  # fmt: skip
+        connection = await tx.connection()
+        await connection.exec_driver_sql(_SQLITE_INSERT, params)
+    else:
+        await tx.execute(insert(REPORTS), [dict(zip(REPORT_COLUMNS, r, strict=True)) for r in rows])
     return len(rows)
 
 

@@ -122,13 +122,23 @@ def from_report(report: DriftReport, received_at: float) -> DriftSample:
     )
 
 
-def _score_ok(value: object, upper: float) -> bool:
-    return value is None or (type(value) is float and 0.0 <= value <= upper)
+def _scores_ok(values: list[Any], upper: float) -> bool:
+    """Whether every value is None or a float in ``[0, upper]`` (below inf: finite), checked
+    in C-level passes."""
+    kinds = set(map(type, values))
+    if not kinds <= {float, type(None)}:
+        return False
+    present = [v for v in values if v is not None] if type(None) in kinds else values
+    return not present or (
+        min(present) >= 0.0 and max(present) <= upper and max(present) < math.inf
+    )
 
 
 _BOOLEANS = (b"[true", b",true", b"[false", b",false")
 _KNOWN_NAMES: dict[tuple[Any, ...], tuple[str, ...]] = {}
 _NAME = operator.itemgetter("name")
+_PSI = operator.methodcaller("get", "psi")
+_KS = operator.methodcaller("get", "ks")
 _COUNTS = operator.itemgetter("counts")
 
 
@@ -185,13 +195,11 @@ def _fast_features(
         return None  # a boolean among the integers (the schema reads it as 0 or 1)
     if int(matrix.min()) < 0 or not bool((matrix.sum(axis=1) == samples).all()):
         return None
-    if max(map(len, features)) > 2:
-        for f in features:
-            if not (_score_ok(f.get("psi"), math.inf) and _score_ok(f.get("ks"), 1.0)):
-                return None
-            psi = f.get("psi")
-            if psi is not None and not math.isfinite(psi):
-                return None
+    if max(map(len, features)) > 2 and not (
+        _scores_ok(list(map(_PSI, features)), math.inf)
+        and _scores_ok(list(map(_KS, features)), 1.0)
+    ):
+        return None
     return names, text, matrix
 
 

@@ -62,48 +62,49 @@ class Layout:
         self.expected = np.concatenate([np.asarray(p, dtype=np.float64) for p in parts])
 
     # ---------------------------------------------------------------- reports into the layout
-    def align(self, samples: Sequence[DriftSample]) -> tuple[IntMatrix, dict[int, str]]:
-        """The samples' counts as a ``[n, width]`` matrix, and why those that do not fit the
-        baseline's bins do not (``unknown_feature`` or ``bins``, as :func:`shared.drift.fits`
-        says; their rows are to be dropped). Samples with the baseline's own features in its
-        order (what agents send) are copied in one block."""
+    def misfit(self, sample: DriftSample) -> str | None:
+        """Why ``sample``'s counts do not fit the baseline's bins (``unknown_feature`` or
+        ``bins``, as :func:`shared.drift.fits` says), or None when they do."""
+        m = sample.matrix
+        if m is None or m.shape[1] != self.uniform or sample.names != self.names:
+            for i, name in enumerate(sample.names):
+                j = self.index.get(name)
+                if j is None:
+                    return "unknown_feature"
+                if sample.feature(i).shape[0] != self.bins[j]:
+                    return "bins"
+        for part, counts in ((self.classes, sample.class_counts),
+                             (self.confidence, sample.confidence_counts)):  # fmt: skip
+            if counts.shape[0] and counts.shape[0] != part.stop - part.start:
+                return "bins"
+        return None
+
+    def rows(self, samples: Sequence[DriftSample]) -> IntMatrix:
+        """The counts of samples that fit (:meth:`misfit` is None) as a ``[n, width]`` matrix.
+        Samples with the baseline's own features in its order (what agents send) are copied in
+        one block. Callers pass a bounded chunk: fresh memory is what costs most here."""
         rows = np.zeros((len(samples), self.width), dtype=np.int64)
-        refused: dict[int, str] = {}
         block: list[int] = []
         for i, s in enumerate(samples):
             m = s.matrix
             if m is not None and m.shape[1] == self.uniform and s.names == self.names:
                 block.append(i)
             else:
-                reason = self._features_into(s, rows[i])
-                if reason is not None:
-                    refused[i] = reason
+                for k, name in enumerate(s.names):
+                    rows[i, self.slices[self.index[name]]] = s.feature(k)
         if block:
             stacked = np.stack([samples[i].matrix for i in block])  # type: ignore[misc]
             rows[block, : self.slices[-1].stop] = stacked.reshape(len(block), -1)
         for part, attr in ((self.classes, "class_counts"), (self.confidence, "confidence_counts")):
-            width = part.stop - part.start
-            fit: list[int] = []
-            for i, s in enumerate(samples):
-                have = getattr(s, attr).shape[0]
-                if have and have == width:
-                    fit.append(i)
-                elif have:
-                    refused.setdefault(i, "bins")
+            fit = [i for i, s in enumerate(samples) if getattr(s, attr).shape[0]]
             if fit:
                 rows[fit, part] = np.stack([getattr(samples[i], attr) for i in fit])
-        return rows, refused
+        return rows
 
-    def _features_into(self, sample: DriftSample, row: IntMatrix) -> str | None:
-        for i, name in enumerate(sample.names):
-            j = self.index.get(name)
-            if j is None:
-                return "unknown_feature"
-            counts = sample.feature(i)
-            if counts.shape[0] != self.bins[j]:
-                return "bins"
-            row[self.slices[j]] = counts
-        return None
+    def align(self, samples: Sequence[DriftSample]) -> tuple[IntMatrix, dict[int, str]]:
+        """:meth:`rows` of the samples that fit, and why the others do not (by index)."""
+        refused = {i: r for i, s in enumerate(samples) if (r := self.misfit(s)) is not None}
+        return self.rows([s for i, s in enumerate(samples) if i not in refused]), refused
 
     def to_document(self, row: IntMatrix) -> dict[str, Any]:
         """A flat vector as the ``counts`` JSON the database stores (features with no count

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -49,7 +50,7 @@ from mcp_edge.controlplane.drift.rules import (
     sustained_over,
 )
 from mcp_edge.controlplane.drift.sample import DriftSample
-from mcp_edge.controlplane.drift.scoring import Layout, figures
+from mcp_edge.controlplane.drift.scoring import Layout, RowScores, figures
 from mcp_edge.controlplane.metrics import ControlPlaneMetrics
 from mcp_edge.shared.bundle.manifest import DriftBaseline
 
@@ -64,6 +65,8 @@ TRIGGER_PATH = "/api/v1/drift/triggers/{id}"
 WEBHOOK_DEVICES = 500
 """A webhook event lists at most this many device ids (the trigger holds up to 1,000)."""
 BASELINE_CACHE_S = 60.0
+CHUNK = 1024
+"""Reports aligned, scored and inserted at a time."""
 
 
 class Refusal(str, enum.Enum):
@@ -229,10 +232,11 @@ class DriftService:
         if kept:
             async with self.db.transaction() as tx:
                 groups = await self._fitting(tx, kept, refused)
-                for (model, version), (layout, group, rows) in sorted(groups.items()):
+                for (model, version), (layout, group) in sorted(groups.items()):
                     rule, source = await effective_rule(tx, model)
-                    stored += await self._insert(tx, layout, group, rows)
-                    touched = await self._aggregate(tx, rule, layout, group, rows, now)
+                    sums = await self._insert(tx, rule, layout, group)
+                    stored += len(group)
+                    touched = await self._aggregate(tx, rule, layout, model, version, sums, now)
                     buckets += len(touched)
                     current = max(touched)
                     trigger = await self._evaluate(
@@ -250,91 +254,80 @@ class DriftService:
 
     async def _fitting(
         self, tx: Tx, samples: Sequence[DriftSample], refused: Counter[str]
-    ) -> dict[tuple[str, str], tuple[Layout, list[DriftSample], np.ndarray[Any, Any]]]:
+    ) -> dict[tuple[str, str], tuple[Layout, list[DriftSample]]]:
         """The samples that fit their version's baseline and that their device runs, grouped
-        by version with their counts aligned (a ``[n, width]`` matrix per version)."""
+        by version."""
         by_version: dict[tuple[str, str], list[DriftSample]] = defaultdict(list)
         for s in samples:
             by_version[(s.model, s.version)].append(s)
-        fitting: dict[tuple[str, str], tuple[Layout, list[DriftSample], np.ndarray[Any, Any]]] = {}
+        fitting: dict[tuple[str, str], tuple[Layout, list[DriftSample]]] = {}
         for key, group in by_version.items():
             published, layout = await self.layout(tx, *key)
             if layout is None:
                 reason = Refusal.NO_BASELINE if published else Refusal.UNKNOWN_VERSION
                 refused[reason.value] += len(group)
                 continue
-            matrix, misfits = layout.align(group)
-            refused.update(misfits.values())
-            keep = [i for i in range(len(group)) if i not in misfits]
-            if keep:
-                fitting[key] = (layout, [group[i] for i in keep], matrix[keep])
-        wanted = {(s.device_id, s.model, s.version) for _, g, _ in fitting.values() for s in g}
-        running = await q.desired_versions(tx, {d for d, _, _ in wanted})
-        missing = wanted - running
-        if missing:
-            running |= await q.reported_versions(tx, {d for d, _, _ in missing})
+            ok = []
+            for sample in group:
+                reason_of = layout.misfit(sample)
+                if reason_of is None:
+                    ok.append(sample)
+                else:
+                    refused[reason_of] += 1
+            if ok:
+                fitting[key] = (layout, ok)
         out = {}
-        for key, (layout, group, rows) in fitting.items():
-            keep = [i for i, s in enumerate(group) if (s.device_id, *key) in running]
+        for (model, version), (layout, group) in fitting.items():
+            ids = {s.device_id for s in group}
+            running = await q.running_devices(tx, model, version, ids)
+            if len(running) < len(ids):
+                running |= await q.reported_running(tx, model, version, ids - running)
+            keep = [s for s in group if s.device_id in running]
             if len(keep) < len(group):
                 refused[Refusal.VERSION_NOT_RUNNING.value] += len(group) - len(keep)
-            if len(keep) == len(group):
-                out[key] = (layout, group, rows)
-            elif keep:
-                out[key] = (layout, [group[i] for i in keep], rows[keep])
+            if keep:
+                out[(model, version)] = (layout, keep)
         return out
 
     async def _insert(
-        self, tx: Tx, layout: Layout, group: Sequence[DriftSample], rows: np.ndarray[Any, Any]
-    ) -> int:
-        scores = layout.score_rows(rows)
-        values = [
-            {
-                "device_id": s.device_id,
-                "model": s.model,
-                "version": s.version,
-                "role": s.role,
-                "received_at": _at(s.received_at),
-                "window_start": s.window_start,
-                "window_end": s.window_end,
-                "samples": s.samples,
-                "sample_every": s.sample_every,
-                "score": score,
-                "input_psi": inp,
-                "class_psi": cls,
-                "confidence_psi": conf,
-                "counts": s.counts_document(),
-                "hard_examples": s.hard_examples,
-            }
-            for s, score, inp, cls, conf in zip(
-                group,
-                _optional(scores.score),
-                _optional(scores.input_psi),
-                _optional(scores.class_psi),
-                _optional(scores.confidence_psi),
-                strict=True,
-            )
-        ]
-        return await q.insert_reports(tx, values)
+        self, tx: Tx, rule: DriftRule, layout: Layout, group: Sequence[DriftSample]
+    ) -> dict[float, tuple[np.ndarray[Any, Any], int, int]]:
+        """Store the reports, ``CHUNK`` at a time (their counts aligned, scored and summed per
+        bucket chunk by chunk: the batch's counts are never one large matrix in memory).
+        Returns ``bucket start -> (summed counts, samples, reports)``."""
+        sums: dict[float, tuple[np.ndarray[Any, Any], int, int]] = {}
+        w = rule.window_s
+        for at in range(0, len(group), CHUNK):
+            chunk = group[at : at + CHUNK]
+            rows = layout.rows(chunk)
+            scores = layout.score_rows(rows)
+            starts = [math.floor(s.received_at / w) * float(w) for s in chunk]
+            for start in set(starts):
+                mask = np.fromiter((b == start for b in starts), dtype=bool, count=len(starts))
+                total, samples, reports = sums.get(start, (layout.zero(), 0, 0))
+                sums[start] = (
+                    total + rows[mask].sum(axis=0),
+                    samples + sum(s.samples for s, m in zip(chunk, mask, strict=True) if m),
+                    reports + int(mask.sum()),
+                )
+            await q.insert_reports(tx, _report_rows(chunk, scores))
+        return sums
 
     async def _aggregate(
         self,
         tx: Tx,
         rule: DriftRule,
         layout: Layout,
-        group: Sequence[DriftSample],
-        rows: np.ndarray[Any, Any],
+        model: str,
+        version: str,
+        sums: Mapping[float, tuple[np.ndarray[Any, Any], int, int]],
         now: datetime,
     ) -> dict[float, tuple[dict[str, Any], float | None]]:
-        """Add the batch to its buckets; return each touched bucket's start with its new
-        figures and score."""
-        starts = np.floor(np.array([s.received_at for s in group]) / rule.window_s) * rule.window_s
-        model, version = group[0].model, group[0].version
+        """Add the batch's sums to their buckets; return each touched bucket's start with its
+        new figures and score."""
         touched = {}
-        for start in sorted(set(starts.tolist())):
-            mask = starts == start
-            added = rows[mask].sum(axis=0)
-            samples = int(sum(s.samples for s, m in zip(group, mask, strict=True) if m))
+        for start in sorted(sums):
+            added, samples, reports = sums[start]
             at = _at(start)
             current = await q.lock_aggregate(tx, model, version, at, rule.window_s, now)
             total = layout.from_document(current.counts) + added
@@ -346,7 +339,7 @@ class DriftService:
             shown = figures(scores)
             await q.update_aggregate(
                 tx, model, version, at,
-                samples=samples, reports=current.reports + int(mask.sum()), devices=devices,
+                samples=samples, reports=current.reports + reports, devices=devices,
                 counts=layout.to_document(total), score=scores.score, input_psi=scores.input_psi,
                 class_psi=scores.class_psi, confidence_psi=scores.confidence_psi, figures=shown,
                 over=rule.bucket_over(shown, samples, devices), updated_at=now,
@@ -424,6 +417,24 @@ class DriftService:
             return await q.expire(
                 tx, reports_before=now - reports_older, aggregates_before=now - aggregates_older
             )
+
+
+def _report_rows(chunk: Sequence[DriftSample], scores: RowScores) -> list[tuple[Any, ...]]:
+    """The ``drift_reports`` rows of a chunk (:data:`controlplane.db.drift.REPORT_COLUMNS`),
+    with the control plane's own scores."""
+    return [
+        (s.device_id, s.model, s.version, s.role, _at(s.received_at), s.window_start,
+         s.window_end, s.samples, s.sample_every, score, inp, cls, conf, s.counts_document(),
+         s.hard_examples)
+        for s, score, inp, cls, conf in zip(
+            chunk,
+            _optional(scores.score),
+            _optional(scores.input_psi),
+            _optional(scores.class_psi),
+            _optional(scores.confidence_psi),
+            strict=True,
+        )
+    ]  # fmt: skip
 
 
 def _optional(values: np.ndarray[Any, Any]) -> list[float | None]:
