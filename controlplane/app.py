@@ -465,10 +465,11 @@ def create_app(
     app.on_cleanup.append(stop_rollouts)
     # ---- hard examples (docs/hard-examples.md): devices are asked over a command session,
     # opened at startup when a broker is configured; the reading routes need only the database.
-    attach_hard_examples(
+    hard_examples = attach_hard_examples(
         app, db, clock, broker=ingest, provisioner=provisioner, sessions=sessions,
         registry=metrics.registry,
     )  # fmt: skip
+    drift.on_trigger.append(hard_examples.on_trigger)  # a rule with collect_hard_examples
     app[ENROLLMENT] = EnrollmentService(
         db, provisioner, trust, settings, clock, metrics, deployments=deployments
     )
