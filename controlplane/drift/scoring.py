@@ -83,6 +83,9 @@ class Layout:
         """The counts of samples that fit (:meth:`misfit` is None) as a ``[n, width]`` matrix.
         Samples with the baseline's own features in its order (what agents send) are copied in
         one block. Callers pass a bounded chunk: fresh memory is what costs most here."""
+        whole = self._whole(samples)
+        if whole is not None:
+            return whole
         rows = np.zeros((len(samples), self.width), dtype=np.int64)
         block: list[int] = []
         for i, s in enumerate(samples):
@@ -100,6 +103,33 @@ class Layout:
             if fit:
                 rows[fit, part] = np.stack([getattr(samples[i], attr) for i in fit])
         return rows
+
+    def _whole(self, samples: Sequence[DriftSample]) -> IntMatrix | None:
+        """:meth:`rows` in one concatenation when every sample has the baseline's features in
+        its order and both output histograms (what agents send); None otherwise."""
+        k, c = self.classes.stop - self.classes.start, self.confidence.stop - self.confidence.start
+        parts: list[list[Any]] = [[], [], []]
+        for s in samples:
+            m = s.matrix
+            if (
+                m is None
+                or m.shape[1] != self.uniform
+                or s.names != self.names
+                or s.class_counts.shape[0] != k
+                or s.confidence_counts.shape[0] != c
+            ):
+                return None
+            parts[0].append(m)
+            parts[1].append(s.class_counts)
+            parts[2].append(s.confidence_counts)
+        if not samples or not self.names:
+            return None
+        n = len(samples)
+        blocks = [np.stack(parts[0]).reshape(n, -1)]
+        if k:
+            blocks += [np.stack(parts[1]), np.stack(parts[2])]
+        out: IntMatrix = np.concatenate(blocks, axis=1).astype(np.int64, copy=False)
+        return out
 
     def align(self, samples: Sequence[DriftSample]) -> tuple[IntMatrix, dict[int, str]]:
         """:meth:`rows` of the samples that fit, and why the others do not (by index)."""
