@@ -279,6 +279,14 @@ async def put_rule(request: web.Request) -> web.Response:
     return json_response(rule_out(rule))
 
 
+async def get_default_rule(request: web.Request) -> web.Response:
+    return await get_rule(request)
+
+
+async def put_default_rule(request: web.Request) -> web.Response:
+    return await put_rule(request)
+
+
 async def delete_rule(request: web.Request) -> web.Response:
     try:
         rule = await _admin(request).delete_rule(_model(request), actor=principal_of(request).actor)
@@ -326,9 +334,9 @@ ENDPOINTS = [
              "drift", query=DriftQuery, response=DriftOut),
     Endpoint("GET", "/api/v1/drift/rules", list_rules, "Every stored drift rule", Role.VIEWER,
              "drift", response=RuleList),
-    Endpoint("GET", _DEFAULT, get_rule, "The default drift rule (models without their own)",
+    Endpoint("GET", _DEFAULT, get_default_rule, "The default drift rule (models without their own)",
              Role.VIEWER, "drift", response=RuleOut),
-    Endpoint("PUT", _DEFAULT, put_rule, "Change the default drift rule", Role.OPERATOR,
+    Endpoint("PUT", _DEFAULT, put_default_rule, "Change the default drift rule", Role.OPERATOR,
              "drift", body=RuleIn, response=RuleOut),
     Endpoint("GET", _RULE, get_rule, "The drift rule in force for a model", Role.VIEWER,
              "drift", response=RuleOut),
