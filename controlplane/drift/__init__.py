@@ -6,5 +6,8 @@ device's drift for the rollout gates.
 - :mod:`.scoring`: a version's baseline as one flat layout, reports aligned to it, PSI of many
   reports at once and of their sum;
 - :mod:`.rules`: drift rules and their evaluation (pure);
-- :mod:`.service`: :class:`~.service.DriftService`, the store, aggregation and triggers.
+- :mod:`.service`: :class:`~.service.DriftService`, the store, aggregation and triggers;
+- :mod:`.admin`: :class:`~.admin.DriftAdmin`, rules, triggers and figures for REST and CLI;
+- :mod:`.gate`: each device's drift of a rollout's new version (the ``drift`` gate);
+- :mod:`.bench`: what one window of a fleet's reports costs (``bench/drift.py``).
 """
