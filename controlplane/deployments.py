@@ -194,7 +194,9 @@ class DeploymentService:
         self._publisher = publisher
         self._clock = clock
         self._ttl = timedelta(seconds=settings.desired_ttl_s)
-        self._telemetry = TelemetryPolicy(inference_interval_s=settings.inference_interval_s)
+        self._telemetry = TelemetryPolicy(
+            inference_interval_s=settings.inference_interval_s, drift=settings.drift_policy
+        )
         self._interval_s = min(interval_s, settings.desired_ttl_s / 10)
         self._publish_timeout_s = publish_timeout_s
         self._publish_lock = asyncio.Lock()

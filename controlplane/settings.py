@@ -26,6 +26,15 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     drift_max_reports_per_minute = 60           # per device; more are refused (docs/drift.md)
     drift_report_retention_hours = 48           # device drift reports; buckets: retention_days
 
+    [drift_policy]                              # sent to every device; docs/drift.md
+    enabled = true                              # false: devices measure no drift
+    window_requests = 200                       # a window closes after this many samples ...
+    window_s = 300.0                            # ... or this long after its first
+    sample_every = 1                            # bin 1 in N answered requests
+    hard_examples = false                       # keep low-confidence inputs for collection
+    hard_example_max_confidence = 0.5           # "low": top score at most this
+    hard_example_budget_bytes = 262144          # per device, at most 524288
+
     [[webhooks]]                                # any number; event delivery, docs/webhooks.md
     name = "ops"                                # identifier: letters, digits, ``_.-``, <= 64
     url = "https://hooks.example/mcp"           # http:// or https:// only
@@ -49,14 +58,17 @@ import re
 import stat
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import ValidationError
+
 from mcp_edge.controlplane.replica import valid_replica_name
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.fsutil import atomic_write_bytes
+from mcp_edge.shared.protocol.state import DriftPolicy
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -304,6 +316,9 @@ class Settings:
     drift_report_retention_hours: int = 48
     """How long each device's drift reports are kept (the fleet's buckets are kept
     ``telemetry_retention_days``)."""
+    drift_policy: DriftPolicy = field(default_factory=DriftPolicy)
+    """How devices measure drift (window, sampling, hard examples): sent in every desired
+    state's telemetry policy (``[drift_policy]`` in the config file)."""
 
     @property
     def broker_configured(self) -> bool:
@@ -459,9 +474,26 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             changes["replica_name"] = valid_replica_name(str(values["replica_name"]))
         if values.get("webhooks") is not None:
             changes["webhooks"] = _parse_webhooks(values["webhooks"])
+        if values.get("drift_policy") is not None:
+            changes["drift_policy"] = _parse_drift_policy(values["drift_policy"])
     except (ValueError, TypeError) as e:
         raise SettingsError(f"{origin}: {e}") from e
     return replace(settings, **changes)
+
+
+def _parse_drift_policy(table: object) -> DriftPolicy:
+    """The ``[drift_policy]`` table as a :class:`DriftPolicy` (its own bounds), or ValueError
+    naming the first bad key."""
+    if isinstance(table, DriftPolicy):
+        return table
+    if not isinstance(table, Mapping):
+        raise ValueError("drift_policy must be a table ([drift_policy] with keys below it)")
+    try:
+        return DriftPolicy.model_validate(dict(table))
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "drift_policy"
+        raise ValueError(f"drift_policy.{where}: {first['msg']}") from None
 
 
 def load_settings(
@@ -534,6 +566,10 @@ def write_config_file(settings: Settings) -> Path:
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
         f"{k} = {_toml_value(v)}\n" for k, v in values.items()
     )
+    if settings.drift_policy != DriftPolicy():  # tables come after every top-level key
+        text += "\n[drift_policy]\n" + "".join(
+            f"{k} = {_toml_value(v)}\n" for k, v in settings.drift_policy.model_dump().items()
+        )
     for hook in settings.webhooks:  # tables come after every top-level key in TOML
         entry: dict[str, object] = {
             "name": hook.name,

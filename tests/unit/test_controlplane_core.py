@@ -28,6 +28,7 @@ from mcp_edge.controlplane.settings import (
     load_settings,
     write_config_file,
 )
+from mcp_edge.shared.protocol.state import DriftPolicy
 from mcp_edge.shared.protocol.topics import validate_id
 from mcp_edge.shared.signing import PrivateKey
 
@@ -122,6 +123,23 @@ def test_settings_round_trip_through_the_config_file(tmp_path: Path) -> None:
     overridden = load_settings(tmp_path, environ=env, overrides={"listen": "[::1]:7001"})
     assert (overridden.host, overridden.port) == ("::1", 7001)
     assert overridden.database_url == "postgresql://x@y/z"
+
+
+def test_the_drift_policy_comes_from_its_table_and_round_trips(tmp_path: Path) -> None:
+    (tmp_path / "controlplane.toml").write_text(
+        "[drift_policy]\nhard_examples = true\nwindow_requests = 50\nsample_every = 4\n"
+    )
+    loaded = load_settings(tmp_path, environ={})
+    assert loaded.drift_policy == DriftPolicy(
+        hard_examples=True, window_requests=50, sample_every=4
+    )
+    write_config_file(loaded)
+    assert load_settings(tmp_path, environ={}) == loaded
+    (tmp_path / "controlplane.toml").write_text("[drift_policy]\nwindow_requests = 5\n")
+    with pytest.raises(SettingsError, match=r"drift_policy\.window_requests"):
+        load_settings(tmp_path, environ={})
+    with pytest.raises(SettingsError, match="drift_policy"):
+        load_settings(tmp_path, environ={}, overrides={"drift_policy": {"nope": 1}})
 
 
 def test_default_database_is_sqlite_in_the_data_dir(tmp_path: Path) -> None:
