@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mcp_edge.shared.netutil import free_port_below_ephemeral
 from mcp_edge.tooling.models import train_digits_mlp, write_digits_onnx
 from mcp_edge.tooling.mosquitto import (
@@ -332,6 +334,17 @@ class Demo:
         token_file.chmod(0o600)
         self.cp_url = f"http://{HOST}:{port}"
         self.env.update(MCP_SERVER=self.cp_url, MCP_TOKEN=self.token)
+        self.pipeline()
+        with (data / "controlplane.toml").open("a") as config:
+            config.write(
+                "\n[drift_policy]\nhard_examples = true\n"
+                f'\n[[webhooks]]\nname = "training"\nurl = "{self.hook_url}"\n'
+                f'secret_file = "{self.hook_secret}"\nevents = ["retraining.*"]\n'
+            )
+        say(
+            "    controlplane.toml: devices keep hard examples ([drift_policy]); retraining "
+            "triggers go to the training pipeline's webhook ([[webhooks]])"
+        )
         say(
             f"    admin API token saved in {_short(str(token_file))}; the commands below "
             f"read it from MCP_TOKEN and the server from MCP_SERVER={self.cp_url}"
@@ -356,6 +369,26 @@ class Demo:
             self.logs / "controlplane.log",
         )
 
+    def pipeline(self) -> None:
+        """Start the stand-in for the ML team's training pipeline: a webhook receiver."""
+        self.hook_secret = self.work / "webhook.secret"
+        self.hook_secret.write_text(secrets.token_hex(32) + "\n")
+        self.hook_secret.chmod(0o600)
+        self.hook_events = self.work / "pipeline-events.jsonl"
+        port = free_port_below_ephemeral(HOST)
+        self.hook_url = f"http://{HOST}:{port}/retrain"
+        self.step(f"Start the training pipeline's webhook receiver on {self.hook_url}")
+        self.start(
+            "pipeline",
+            [
+                sys.executable, "-m", "mcp_edge.tooling.webhook_receiver", "--host", HOST,
+                "--port", str(port), "--secret-file", str(self.hook_secret),
+                "--out", str(self.hook_events),
+            ],
+            show=["python", "-m", "mcp_edge.tooling.webhook_receiver", "--port", str(port),
+                  "--secret-file", str(self.hook_secret), "--out", str(self.hook_events)],
+        )  # fmt: skip
+
     def publish(self) -> None:
         models = self.work / "model"
         models.mkdir(exist_ok=True)
@@ -366,7 +399,7 @@ class Demo:
         labels.write_text("\n".join(str(d) for d in range(10)) + "\n")
         for version, hidden in VERSIONS.items():
             onnx = models / f"digits-{version}.onnx"
-            if onnx.exists() and (models / "samples.json").exists():
+            if onnx.exists() and (models / "inverted.npy").exists():
                 say(f"    {version}: reusing {_short(str(onnx))}")
                 continue
             mlp = train_digits_mlp(seed=0, hidden_units=hidden)
@@ -383,6 +416,10 @@ class Demo:
                     }
                 )
             )
+            # The drift baseline: the pixels the model was trained on, stored in the bundle.
+            np.save(models / "baseline.npy", np.asarray(mlp.X_train, dtype=np.float32))
+            # What a camera with a flipped sensor would send: the held-out digits inverted.
+            np.save(models / "inverted.npy", 1.0 - np.asarray(mlp.X_test, dtype=np.float32))
         self.samples = json.loads((models / "samples.json").read_text())
         (models / "request.json").write_bytes(self.infer_body())
         key = models / "publisher.key"
@@ -411,6 +448,8 @@ class Demo:
                     version,
                     "--labels",
                     str(labels),
+                    "--baseline",
+                    str(models / "baseline.npy"),
                     "-o",
                     str(bundle),
                 )
@@ -687,6 +726,81 @@ class Demo:
             )
         say(f"    rollout {rollout_id} succeeded: cam-1 and cam-2 run {MODEL} 1.2.0")
 
+    def drift(self) -> None:
+        self.step(
+            f"A drift rule for {MODEL}: a retraining trigger when the fleet's input PSI "
+            "passes 0.2 over 200 samples"
+        )
+        self.cli(
+            "mcp-controlplane", "drift", "rules", "set", MODEL, "--metric", "input_psi",
+            "--threshold", "0.2", "--min-devices", "1", "--min-samples", "200",
+            "--sustained", "1", "--cooldown", "1h", "--window", "60s",
+        )  # fmt: skip
+        url = f"http://{HOST}:{self.agent_ports['cam-1']}/v2/models/{MODEL}/infer"
+        inverted = np.load(self.work / "model/inverted.npy")[:400]
+        self.step(
+            "cam-1's sensor flips: it sends 400 inverted digits; the agent bins them on the "
+            "bundle's baseline and reports two windows of 200"
+        )
+        for chunk in (inverted[:200], inverted[200:]):
+            body = json.dumps(
+                {"inputs": [{"name": "input", "shape": list(chunk.shape), "datatype": "FP32",
+                             "data": [round(float(v), 4) for v in chunk.ravel()]}]}
+            ).encode()  # fmt: skip
+            status, answer = http_json(url, body=body)
+            self.check(status == 200, f"cam-1 refused inverted digits (HTTP {status}): {answer}")
+        self.wait_for(
+            "a retraining trigger for digits",
+            lambda: self._triggers() != [],
+            60,
+            self.logs / "controlplane.log",
+        )
+        trigger = self._triggers()[0]
+        trigger_id = str(trigger["id"])
+        score = trigger["score"]
+        say(
+            f"    trigger {trigger_id}: {MODEL} {trigger['version']}, input PSI "
+            f"{'-' if score is None else f'{float(score):.2f}'} from "
+            f"{trigger['device_count']} device(s)"
+        )
+        out = self.cli("mcp-controlplane", "drift", "show", MODEL, "--version", "1.2.0")
+        say("    " + out.strip().replace("\n", "\n    "))
+        self.step("The training pipeline got the signed webhook (signature and replay checked)")
+        self.wait_for(
+            "the retraining.triggered webhook at the pipeline",
+            lambda: "retraining.triggered" in self._pipeline_events(),
+            60,
+            self.logs / "pipeline.log",
+        )
+        event = json.loads(self._pipeline_events().splitlines()[-1])
+        say(f"    {_short(str(self.hook_events))}: {event['event']} delivery {event['delivery']}")
+        self.step(f"Collect trigger {trigger_id}'s hard examples and download them as a dataset")
+        out = self.cli("mcp-controlplane", "drift", "examples", "collect", trigger_id)
+        say("    " + out.strip().replace("\n", "\n    "))
+        dataset = self.work / "hard-examples"
+        out = self.cli(
+            "mcp-controlplane", "drift", "examples", "download", trigger_id, "-o", str(dataset),
+            "--no-progress",
+        )  # fmt: skip
+        say("    " + out.strip().replace("\n", "\n    "))
+        files = sorted(dataset.glob("*.npz"))
+        self.check(files != [], f"no .npz dataset in {dataset}")
+        with np.load(files[0], allow_pickle=False) as npz:
+            inputs = npz["inputs"]
+        sent = {row.tobytes() for row in inverted}
+        self.check(
+            len(inputs) > 0 and all(row.tobytes() in sent for row in inputs),
+            f"the dataset's inputs are not the inverted digits cam-1 was sent ({dataset})",
+        )
+        say(f"    {len(inputs)} hard examples, each byte-identical to an input cam-1 was sent")
+
+    def _triggers(self) -> list[dict[str, Any]]:
+        found = self.api(f"/api/v1/drift/triggers?model={MODEL}")
+        return list(found.get("items", []))
+
+    def _pipeline_events(self) -> str:
+        return self.hook_events.read_text() if self.hook_events.exists() else ""
+
     def _answering(self, url: str) -> str | None:
         status, answer = http_json(url, body=self.infer_body())
         return str(answer.get("model_version")) if status == 200 else None
@@ -710,6 +824,8 @@ Try, in another terminal:
     -d @{_short(str(self.work / "model/request.json"))} \\
     http://{HOST}:{ports["cam-2"]}/v2/models/{MODEL}/infer
   mcp-controlplane rollouts list
+  mcp-controlplane drift triggers list
+  mcp-controlplane drift show {MODEL} --device cam-1
   mcp-controlplane rollouts history 1
   mcp-controlplane rollouts rollback 1 --reason "try it"       # both go back where they were
   mcp-controlplane deploy {MODEL} 1.0.0 --device cam-1 --rollback
@@ -761,6 +877,7 @@ Try, in another terminal:
         self.hot_swap()
         self.report()
         self.rollout()
+        self.drift()
 
 
 def _prepare_work_dir(work: Path, keep: bool) -> None:

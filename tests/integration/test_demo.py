@@ -68,10 +68,15 @@ def test_demo_smoke_runs_the_fleet_loop_and_stops_everything(tmp_path: Path) -> 
     assert re.search(r"\d+\s+1\.1\.0\s+active\s+ok", out), out  # the flight recorder
     assert "rollout 1 succeeded: cam-1 and cam-2 run digits 1.2.0" in out
     assert re.search(r"gate_passed\s+stage 1\s+system: gate install_failure_rate passes", out), out
+    # Drift: inverted digits raise a trigger, the pipeline gets the signed webhook, and the
+    # hard examples come back as the inputs the camera was sent.
+    assert re.search(r"trigger 1: digits 1\.2\.0, input PSI \d+\.\d+ from 1 device", out), out
+    assert re.search(r"pipeline-events\.jsonl: retraining\.triggered delivery [0-9a-f]{32}", out)
+    assert re.search(r"\d+ hard examples, each byte-identical to an input cam-1 was sent", out)
     assert "demo: every step worked" in out
     assert "agents, control plane and broker stopped" in out
 
     # Each process logged to its own file, and none of them is left running.
     logs = {p.name for p in (work / "logs").iterdir()}
-    assert {"mosquitto.log", "controlplane.log", "cam-1.log", "cam-2.log"} <= logs
+    assert {"mosquitto.log", "controlplane.log", "cam-1.log", "cam-2.log", "pipeline.log"} <= logs
     assert _processes_mentioning(str(work)) == []
