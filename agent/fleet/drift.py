@@ -53,7 +53,7 @@ from mcp_edge.agent.fleet.hard_examples import (
     parse_upload_args,
     select_for_upload,
 )
-from mcp_edge.agent.fleet.telemetry import _version_text as version_text
+from mcp_edge.agent.fleet.telemetry import version_text
 from mcp_edge.agent.runtime.runner import Array
 from mcp_edge.shared.protocol.reports import InferenceRole
 

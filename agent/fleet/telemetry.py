@@ -311,7 +311,7 @@ class InferenceStatsCollector:
             models.append(
                 ModelInferenceReport(
                     model=name,
-                    version=_version_text(version),
+                    version=version_text(version),
                     role=role,
                     count=w.count,
                     errors=w.errors,
@@ -365,7 +365,7 @@ def _order(key: tuple[str, str, InferenceRole]) -> tuple[str, str, int]:
     return key[0], key[1], _ROLE_ORDER[key[2]]
 
 
-def _version_text(version: str) -> str:
+def version_text(version: str) -> str:
     """The protocol's version field is semver text (5-128 characters); versions the manager
     derives from plain model files ("1", "2") become "1.0.0", "2.0.0"."""
     return version[:128] if len(version) >= 5 else f"{version}.0.0"

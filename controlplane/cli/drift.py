@@ -200,7 +200,9 @@ def _duration(value: str | None, option: str) -> int | None:
 @click.option(
     "--metric",
     type=click.Choice(METRICS),
-    help="What is compared: score (the largest of the three PSIs), input_psi, ...",
+    help="What is compared: input_psi (default: the mean of the input features' PSIs), "
+    "score (the largest of input, class and confidence PSI), max_feature_psi, class_psi, "
+    "confidence_psi.",
 )
 @click.option("--min-devices", type=click.IntRange(1), help="Devices a bucket needs.")
 @click.option("--min-samples", type=click.IntRange(1), help="Samples a bucket needs.")

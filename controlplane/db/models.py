@@ -591,7 +591,7 @@ class DriftRuleRow(Base):
 
     model: Mapped[str] = mapped_column(String(64), primary_key=True)
     threshold: Mapped[float] = mapped_column(Float, default=0.2)
-    metric: Mapped[str] = mapped_column(String(32), default="score")
+    metric: Mapped[str] = mapped_column(String(32), default="input_psi")
     min_devices: Mapped[int] = mapped_column(Integer)
     min_samples: Mapped[int] = mapped_column(BigInteger)
     sustained: Mapped[int] = mapped_column(Integer)

@@ -37,7 +37,7 @@ class DriftRule:
 
     model: str = DEFAULT_MODEL
     threshold: float = 0.2
-    metric: str = "score"
+    metric: str = "input_psi"
     min_devices: int = 1
     min_samples: int = 100
     sustained: int = 2

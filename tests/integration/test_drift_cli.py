@@ -98,7 +98,7 @@ def plane(tmp_path: Path) -> Iterator[Plane]:
 
 def test_rules_figures_and_triggers_from_the_command_line(plane: Plane) -> None:
     shown = plane.cli("drift", "rules", "get", "digits").stdout
-    assert "built-in default" in shown and "score > 0.2" in shown
+    assert "built-in default" in shown and "input_psi > 0.2" in shown
     out = plane.cli("drift", "rules", "set", "*", "--min-devices", "2", "--window", "1m").stdout
     assert out.startswith("*: the default rule (*)") and "bucket(s) of 1m" in out
     out = plane.cli("drift", "rules", "set", "digits", "--threshold", "0.3", "--sustained",

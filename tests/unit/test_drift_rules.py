@@ -202,7 +202,7 @@ def test_counts_that_do_not_fit_the_bins_are_refused_with_their_reason(baseline:
 
 # ---------------------------------------------------------------------------- rules
 def test_a_bucket_is_over_only_above_the_threshold_with_enough_samples_and_devices() -> None:
-    rule = DriftRule(threshold=0.2, min_devices=3, min_samples=500)
+    rule = DriftRule(threshold=0.2, min_devices=3, min_samples=500, metric="score")
     over = {"score": 0.25, "input_psi": 0.1}
     assert rule.bucket_over(over, samples=500, devices=3)
     assert not rule.bucket_over({"score": 0.2}, samples=500, devices=3)  # not above
@@ -210,6 +210,7 @@ def test_a_bucket_is_over_only_above_the_threshold_with_enough_samples_and_devic
     assert not rule.bucket_over(over, samples=500, devices=2)
     assert not rule.bucket_over({"score": None}, samples=500, devices=3)
     assert not DriftRule(metric="input_psi").bucket_over(over, samples=500, devices=3)
+    assert DriftRule().metric == "input_psi"  # the default: no false alarms on held-out data
 
 
 def test_sustained_means_the_newest_buckets_one_after_the_other_all_over() -> None:
