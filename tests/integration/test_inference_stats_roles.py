@@ -35,7 +35,6 @@ import pytest
 
 from mcp_edge.agent.fleet.session import FleetConfig, FleetSession
 from mcp_edge.agent.fleet.spool import Spool
-from mcp_edge.agent.identity import save_enrollment
 from mcp_edge.agent.runtime.loader import load_runner
 from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
 from mcp_edge.client import InferenceClient, InferenceReplyError
@@ -44,7 +43,6 @@ from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttSettings
 from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.protocol import decode, topics
 from mcp_edge.shared.protocol.canary import CanaryPolicy
-from mcp_edge.shared.protocol.enrollment import BrokerCredentials, EnrollmentAnswer, TrustRoot
 from mcp_edge.shared.protocol.state import (
     CanarySpec,
     DesiredModel,
@@ -53,10 +51,10 @@ from mcp_edge.shared.protocol.state import (
     sign_desired_state,
 )
 from mcp_edge.shared.protocol.telemetry import InferenceStats
-from mcp_edge.shared.protocol.wire import EnrollmentStatus
 from mcp_edge.tooling.models import DigitsModels, onnx_predict, train_digits_mlp, write_digits_onnx
 from mcp_edge.tooling.mosquitto import MosquittoBroker
-from mcp_edge.tooling.processes import AGENT, REPO, free_port, process_env, stopped_at_exit
+from mcp_edge.tooling.processes import stopped_at_exit
+from tests.support.agents import launch_repo_agent
 from tests.support.tuf import SignedRepo, make_bundle
 
 pytestmark = [pytest.mark.mosquitto, pytest.mark.timeout(120)]
@@ -122,23 +120,7 @@ async def agent(
 ) -> AsyncIterator[tuple[str, MqttClient, list[InboundMessage]]]:
     """The enrolled agent serving both models; its base URL, a client of the broker and the
     statistics messages received so far (subscribed before any request was sent)."""
-    repo = SignedRepo.create(tmp_path / "tuf")
-    state = tmp_path / "agent"
-    save_enrollment(state, "http://127.0.0.1:9", EnrollmentAnswer(
-        status=EnrollmentStatus.ACCEPTED, device_id=DEVICE,
-        broker=BrokerCredentials(urls=[f"mqtt://{mosquitto.host}:{mosquitto.port}"],
-                                 username=DEVICE, password="unused", client_id=DEVICE),
-        trust=TrustRoot(tuf_root=json.loads(repo.root_bytes()),
-                        director_keys=[repo.director.public_key.raw.hex()]),
-    ))  # fmt: skip
-    port = free_port()
-    with (tmp_path / "agent.log").open("w") as log:  # the agent's log, for when this fails
-        processes.append(subprocess.Popen(
-            [*AGENT, "run", "--repo", repo.directory.as_uri(), "--port", str(port),
-             "--state-dir", str(state), "--health-interval", "3600", "--stats-interval", "3600"],
-            stdout=subprocess.DEVNULL, stderr=log, text=True, cwd=REPO, env=process_env(),
-        ))  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
+    repo, base = launch_repo_agent(mosquitto, tmp_path, processes, DEVICE)
     received: list[InboundMessage] = []
     settings = MqttSettings(mosquitto.host, mosquitto.port, client_id="roles-watcher",
                             clean_start=True, session_expiry_s=0)  # fmt: skip
