@@ -99,7 +99,9 @@ class GateIn(Request):
 class StageIn(Request):
     """Exactly one of ``count`` and ``percent``."""
 
-    count: int | None = Field(default=None, ge=1, description="devices in this stage")
+    count: int | None = Field(
+        default=None, ge=1, le=spec_rules.MAX_STAGE_COUNT, description="devices in this stage"
+    )
     percent: float | None = Field(
         default=None, gt=0, le=100, description="share of the target, 0..100"
     )

@@ -70,6 +70,8 @@ MAX_DEVICE_TIMEOUT_S = 7 * 86_400.0
 MAX_PER_MINUTE = 1_000_000.0
 MAX_GROWTH = 10.0
 MAX_MIN_DEVICES = 1_000_000
+MAX_STAGE_COUNT = MAX_DEVICES * 100
+"""The largest ``count`` a stage may name (the API schema's bound too)."""
 MAX_MIN_REQUESTS = 10**12
 MAX_LATENCY_RATIO = 100.0
 PERCENT_TOLERANCE = 1e-6
@@ -249,7 +251,7 @@ def _stage(data: object, where: str) -> Stage:
     d = _keys(data, where, allowed, set())
     if ("count" in d) == ("percent" in d):
         raise SpecError(f"{where}: give exactly one of count or percent")
-    count = _int(d["count"], f"{where}.count", 1, MAX_DEVICES * 100) if "count" in d else None
+    count = _int(d["count"], f"{where}.count", 1, MAX_STAGE_COUNT) if "count" in d else None
     percent = (
         _number(d["percent"], f"{where}.percent", 0.0, 100.0, lo_open=True)
         if "percent" in d
