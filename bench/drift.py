@@ -5,14 +5,14 @@ Two parts, each with its baseline from the same run:
 1. **Agent**: ``mcp-agent serve`` on a digits bundle with a drift baseline, drift tracking off
    (``--no-drift``) and on (``--drift --drift-sample-every 1``: every answered request is
    binned), the same load client as ``bench/local_inference.py``: throughput at concurrency 64
-   and p50 latency at concurrency 1. Off and on alternate ``--repeats`` times and each side
-   keeps its best run, so a slow moment of the machine does not land on one side only.
-   ``tput_cost`` = 1 - tput_on / tput_off, ``p50_cost`` = p50_on / p50_off - 1 (goals: ≤ 5 %),
-   each from the median of its side's runs. On a 2-core VM one run differs from the next by
-   up to ±25 %, more than the goal, so ``tracker`` also measures the tracker's own CPU per
-   sampled request in process (request path and binning, the digits bundle's baseline) and
-   sets it against the agent's CPU per request with drift off from the same run
-   (``tracker_cpu_share``).
+   and p50 latency at concurrency 1. ``--repeats`` pairs (default 6) run in the order off,
+   on, on, off, off, on, ... so a machine that slows during the run weighs on both sides
+   alike. ``tput_cost`` = 1 - tput_on / tput_off, ``p50_cost`` = p50_on / p50_off - 1 (goals:
+   ≤ 5 %), each from the median of its side's runs. On a 2-core VM one run differs from the
+   next by up to a factor of two, more than the goal, so ``tracker`` also measures the
+   tracker's own CPU per sampled request in process, on its thread (request path and binning,
+   the digits bundle's baseline), and sets it against the agent's CPU per request with drift
+   off from the same run (``tracker_cpu_share``).
 2. **Control plane**: one window of drift reports from ``--devices`` devices (10,000), timed
    in process CPU seconds (every thread). ``agg_cpu_s`` (goal < 1 s) is the aggregation: the
    drift store on one batch of real digits counts (the held-out set binned with
@@ -106,8 +106,10 @@ def bench_agent_cost(tmp: Path, plan: Plan, repeats: int) -> dict[str, Any]:
         "on": ("--drift", "--drift-sample-every", "1", "--log-level", "info"),
     }
     try:
-        for _ in range(repeats):
-            for side in ("off", "on"):
+        # off, on, on, off, off, on, ...: a machine that slows (or speeds up) during the run
+        # weighs on both sides alike.
+        for pair in range(repeats):
+            for side in ("off", "on") if pair % 2 == 0 else ("on", "off"):
                 run = bench_agent(
                     servers, bundled, body, expected, True, plan, tmp / f"state-{side}", flags[side]
                 )
@@ -153,7 +155,9 @@ def bench_agent_cost(tmp: Path, plan: Plan, repeats: int) -> dict[str, Any]:
 def bench_tracker(manifest: Any, mlp: Any, onnx_path: Path, requests: int) -> dict[str, Any]:
     """CPU of :class:`DriftTracker` per sampled request, in process: ``observe`` on the
     request path, then the binning of each buffered batch (what the drain callback runs) and
-    the window reports, as a serving agent under load would call them."""
+    the window reports, as a serving agent under load would call them. Timed in this
+    thread's CPU time (the agent runs both on its event-loop thread): process time would
+    also count onnxruntime's idle-spinning pool threads."""
     from mcp_edge.agent.fleet.drift import DriftTracker
     from mcp_edge.agent.runtime.manager import ModelSource
     from mcp_edge.shared.protocol.reports import InferenceRole
@@ -183,12 +187,12 @@ def bench_tracker(manifest: Any, mlp: Any, onnx_path: Path, requests: int) -> di
     tracker.windows = 0
     observe_s = drain_s = 0.0
     for start in range(0, requests, batch):
-        t0 = time.process_time()
+        t0 = time.thread_time()
         for i in range(start, start + batch):
             tracker.observe(source, InferenceRole.STABLE, feeds[i % n], answers[i % n])
-        t1 = time.process_time()
+        t1 = time.thread_time()
         tracker.drain()
-        drain_s += time.process_time() - t1
+        drain_s += time.thread_time() - t1
         observe_s += t1 - t0
     return {
         "requests": requests,
@@ -214,6 +218,8 @@ def _run_summary(run: dict[str, Any]) -> dict[str, Any]:
         "c1_p99_us": run["c1"]["latency_us"]["p99"],
         "c64_cpu": run["c64"].get("cpu"),
         "c64_requests_per_batch": run["c64_batches"]["requests_per_batch"],
+        "c64_steal_cores": run["c64"].get("cpu", {}).get("steal_cores"),
+        "c64_other_cores": run["c64"].get("cpu", {}).get("other_cores"),
         "drift_windows_logged": run["drift_windows_logged"],
         "command": run["command"],
     }
@@ -319,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short smoke run")
     parser.add_argument("--devices", type=int, default=10_000)
-    parser.add_argument("--repeats", type=int, default=None, help="off/on pairs (default 4)")
+    parser.add_argument("--repeats", type=int, default=None, help="off/on pairs (default 6)")
     parser.add_argument("--skip-agent", action="store_true", help="only the control-plane part")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
@@ -329,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     plan = QUICK if args.quick else FULL
-    repeats = args.repeats or (1 if args.quick else 4)
+    repeats = args.repeats or (1 if args.quick else 6)
     started = time.monotonic()
     result: dict[str, Any] = {
         "bench": "drift",
