@@ -51,7 +51,7 @@ for _p in (str(BENCH_DIR), str(REPO_ROOT)):
 
 import numpy as np  # noqa: E402
 import orjson  # noqa: E402
-from _models import BenchModel, make_digits  # noqa: E402
+from _models import BenchModel  # noqa: E402
 from local_inference import (  # noqa: E402
     FULL,
     QUICK,
@@ -68,12 +68,18 @@ GOAL_AGG_CPU_S = 1.0
 
 
 def _digits_bundle(tmp: Path) -> tuple[BenchModel, Any]:
-    """The digits model as a bundle with a drift baseline (its training split)."""
+    """The digits model (trained once) as a bundle with a drift baseline (its training split)."""
     from mcp_edge.shared.bundle.build import build_bundle
-    from mcp_edge.tooling.models import train_digits_mlp
+    from mcp_edge.tooling.models import train_digits_mlp, write_digits_onnx
 
-    model = make_digits(tmp)
     mlp = train_digits_mlp(seed=0)
+    model = BenchModel(
+        name="digits",
+        path=write_digits_onnx(mlp.model, tmp / "digits.onnx"),
+        input_name="input",
+        sample=np.ascontiguousarray(mlp.X_test[:1], dtype=np.float32),
+        description="sklearn MLPClassifier 64-32-10 (relu, softmax) via skl2onnx",
+    )
     samples = tmp / "baseline.npy"
     np.save(samples, np.asarray(mlp.X_train, dtype=np.float32))
     bundle = tmp / "digits-1.0.0.mcpb"
@@ -90,8 +96,10 @@ def _digits_bundle(tmp: Path) -> tuple[BenchModel, Any]:
     return bundled, (model, manifest, mlp)
 
 
-def bench_agent_cost(tmp: Path, plan: Plan, repeats: int) -> dict[str, Any]:
-    bundled, (raw_model, _manifest, _mlp) = _digits_bundle(tmp)
+def bench_agent_cost(
+    tmp: Path, plan: Plan, repeats: int, digits: tuple[BenchModel, Any]
+) -> dict[str, Any]:
+    bundled, (raw_model, _manifest, _mlp) = digits
     body = tmp / "digits.body.json"
     body.write_bytes(_request_body(bundled))
     rows = np.asarray(orjson.loads(body.read_bytes())["inputs"][0]["data"], dtype=np.float32)
@@ -277,12 +285,13 @@ def _reports(manifest: Any, mlp: Any, onnx_path: Path, devices: int, window: int
     return payloads
 
 
-def bench_aggregation(tmp: Path, devices: int, window: int) -> dict[str, Any]:
+def bench_aggregation(
+    tmp: Path, devices: int, window: int, digits: tuple[BenchModel, Any]
+) -> dict[str, Any]:
     from mcp_edge.shared.protocol.codec import decode
     from mcp_edge.shared.protocol.telemetry import DriftReport
 
-    (tmp / "agg").mkdir()
-    _bundled, (raw, manifest, mlp) = _digits_bundle(tmp / "agg")
+    _bundled, (raw, manifest, mlp) = digits
     payloads = _reports(manifest, mlp, raw.path, devices, window)
     t0 = time.process_time()
     parsed = [decode(p, DriftReport) for p in payloads]
@@ -349,9 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory(prefix="mcp-bench-drift-") as name:
         tmp = Path(name)
+        digits = _digits_bundle(tmp)
         if not args.skip_agent:
-            result |= bench_agent_cost(tmp, plan, repeats)
-        result |= bench_aggregation(tmp, args.devices, 200)
+            result |= bench_agent_cost(tmp, plan, repeats, digits)
+        result |= bench_aggregation(tmp, args.devices, 200, digits)
     goals = {
         "tput_cost": (result.get("tput_cost"), f"<= {GOAL_COST}"),
         "p50_cost": (result.get("p50_cost"), f"<= {GOAL_COST}"),
