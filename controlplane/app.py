@@ -93,6 +93,7 @@ from mcp_edge.controlplane.repository.service import RepositoryService
 from mcp_edge.controlplane.repository.tuf_repo import KeyStore
 from mcp_edge.controlplane.rollouts.service import RolloutService
 from mcp_edge.controlplane.settings import Settings
+from mcp_edge.controlplane.ui import attach_ui
 from mcp_edge.controlplane.webhooks import WebhookDispatcher, load_webhooks
 from mcp_edge.shared.protocol.command import ErrorCode
 
@@ -381,6 +382,7 @@ def create_app(
     for ep in endpoints:
         route = app.router.add_route(ep.method, ep.path, ep.handler)
         route_roles[route] = ep.role
+    attach_ui(app)  # the console (/ui/...), after the API routes it shares the port with
     sessions = app[BROKER_SESSIONS] = []
     app[OPENAPI] = orjson.dumps(build_openapi([*endpoints, *REPO_ENDPOINTS], version=__version__))
 

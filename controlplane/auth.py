@@ -38,6 +38,7 @@ ENROLLMENT_TOKEN_PREFIX = "mcpe_"
 DISPLAY_PREFIX_CHARS = 12
 TOUCH_INTERVAL = timedelta(minutes=1)
 MAX_PASSWORD_BYTES = 1024
+SESSION_COOKIE = "mcp_session"
 
 Clock = Callable[[], datetime]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -206,6 +207,10 @@ def auth_middleware(
         if required is None:
             return await handler(request)
         token = bearer_token(request)
+        if token is None and request.method in ("GET", "HEAD"):
+            # The console's session reads the API too (its API reference page); only for
+            # reads, so a cross-site form can never change anything with it.
+            token = request.cookies.get(SESSION_COOKIE) or None
         if token is None:
             raise AuthError("authentication required: send 'Authorization: Bearer <API token>'")
         principal = await authenticate(db, token, clock())

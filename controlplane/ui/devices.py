@@ -1,0 +1,7 @@
+"""Console pages: devices (filled in by its own change)."""
+
+from __future__ import annotations
+
+from mcp_edge.controlplane.ui.core import Page
+
+PAGES: list[Page] = []
