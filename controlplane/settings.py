@@ -25,6 +25,7 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     rollout_lease_s = 15.0                      # a dead replica's rollouts move on after this
     drift_max_reports_per_minute = 60           # per device; more are refused (docs/drift.md)
     drift_report_retention_hours = 48           # device drift reports; buckets: retention_days
+    ui_session_hours = 12.0                     # web console sessions end after this (/ui/)
 
     [drift_policy]                              # sent to every device; docs/drift.md
     enabled = true                              # false: devices measure no drift
@@ -461,6 +462,11 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             if not 2.0 <= lease <= 3600.0:
                 raise ValueError("rollout_lease_s must be between 2 and 3600 seconds")
             changes["rollout_lease_s"] = lease
+        if values.get("ui_session_hours") is not None:
+            session_hours = _number("ui_session_hours", values["ui_session_hours"], float)
+            if not 0.05 <= session_hours <= 24.0 * 90:
+                raise ValueError("ui_session_hours must be between 0.05 and 2160 hours")
+            changes["ui_session_hours"] = session_hours
         if values.get("drift_max_reports_per_minute") is not None:
             rate = int(_number("drift_max_reports_per_minute",
                                values["drift_max_reports_per_minute"], int))  # fmt: skip
@@ -564,6 +570,7 @@ def write_config_file(settings: Settings) -> Path:
     values["repository_http"] = settings.repository_http
     values["inference_interval_s"] = settings.inference_interval_s
     values["rollout_lease_s"] = settings.rollout_lease_s
+    values["ui_session_hours"] = settings.ui_session_hours
     if settings.replica_name:
         values["replica_name"] = settings.replica_name
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(

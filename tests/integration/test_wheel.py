@@ -79,6 +79,11 @@ def test_packages_import_and_profiles_load_from_the_wheel(
         "print(mcp_edge.client.__file__)\n"
         "print(importlib.util.find_spec('mcp_edge.shared.client'))\n"
         "from mcp_edge.shared.mqtt import MqttClient, Session\n"
+        # The console's templates and static files are package data.
+        "from mcp_edge.controlplane.ui import all_pages, core\n"
+        "assert (core.TEMPLATES / 'base.html').is_file(), core.TEMPLATES\n"
+        "assert (core.STATIC / 'app.js').is_file() and (core.STATIC / 'app.css').is_file()\n"
+        "core.make_env().get_template('login.html')\n"
     )
     # Run from a directory whose own agent/ and shared/ would shadow generic names.
     out = subprocess.run(

@@ -142,6 +142,14 @@ def test_the_drift_policy_comes_from_its_table_and_round_trips(tmp_path: Path) -
         load_settings(tmp_path, environ={}, overrides={"drift_policy": {"nope": 1}})
 
 
+def test_console_session_lifetime_is_configurable_and_bounded(tmp_path: Path) -> None:
+    assert load_settings(tmp_path, environ={}).ui_session_hours == 12.0
+    (tmp_path / "controlplane.toml").write_text("ui_session_hours = 2.5\n")
+    assert load_settings(tmp_path, environ={}).ui_session_hours == 2.5
+    with pytest.raises(SettingsError, match="ui_session_hours"):
+        load_settings(tmp_path, environ={}, overrides={"ui_session_hours": 0})
+
+
 def test_default_database_is_sqlite_in_the_data_dir(tmp_path: Path) -> None:
     settings = load_settings(tmp_path, environ={})
     assert settings.effective_database_url == f"sqlite:///{tmp_path.resolve()}/controlplane.db"
