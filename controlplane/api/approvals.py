@@ -8,14 +8,21 @@
 An approved device receives its broker credentials the next time it asks
 (``mcp-agent enroll`` polls while pending), so approval itself does not touch the broker.
 The decisions are :class:`~controlplane.enrollment_service.EnrollmentService`'s
-(``app[ENROLLMENT]``); its errors become answers in :mod:`controlplane.api.common`.
+(``app[ENROLLMENT]``); its errors become answers in :mod:`controlplane.api.common`. The web
+console's enrollment page makes the same calls (and lists :func:`pending_devices`).
 """
 
 from __future__ import annotations
 
 from aiohttp import web
 
-from mcp_edge.controlplane.api.common import Endpoint, json_response, read_body, services
+from mcp_edge.controlplane.api.common import (
+    Endpoint,
+    Services,
+    json_response,
+    read_body,
+    services,
+)
 from mcp_edge.controlplane.api.devices import device_out
 from mcp_edge.controlplane.api.enroll import enrollment
 from mcp_edge.controlplane.api.schemas import (
@@ -26,14 +33,14 @@ from mcp_edge.controlplane.api.schemas import (
 )
 from mcp_edge.controlplane.auth import Role, principal_of
 from mcp_edge.controlplane.db import devices as q
-from mcp_edge.controlplane.db.devices import DeviceFilter
+from mcp_edge.controlplane.db.devices import DeviceFilter, DeviceView
 from mcp_edge.controlplane.enrollment import DeviceStatus
 
 MAX_PENDING_LISTED = 1000
 
 
-async def list_pending(request: web.Request) -> web.Response:
-    svc = services(request)
+async def pending_devices(svc: Services) -> list[DeviceView]:
+    """The devices waiting for approval (at most :data:`MAX_PENDING_LISTED`), by id."""
     async with svc.db.read() as tx:
         views, _ = await q.list_devices(
             tx,
@@ -41,6 +48,11 @@ async def list_pending(request: web.Request) -> web.Response:
             limit=MAX_PENDING_LISTED,
             offset=0,
         )
+    return views
+
+
+async def list_pending(request: web.Request) -> web.Response:
+    views = await pending_devices(services(request))
     return json_response(ApprovalList(items=[device_out(v) for v in views]))
 
 

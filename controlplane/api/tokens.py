@@ -4,6 +4,9 @@ GET    /api/v1/enrollment-tokens          viewer
 POST   /api/v1/enrollment-tokens          operator: the answer holds the token, once
 GET    /api/v1/enrollment-tokens/{id}     viewer
 DELETE /api/v1/enrollment-tokens/{id}     operator: revoke (kept for the audit trail)
+
+:func:`create_enrollment_token` and :func:`revoke_enrollment_token` do the work (rows and audit
+entries); the web console's enrollment page calls them too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from mcp_edge.controlplane import audit
 from mcp_edge.controlplane.api.common import (
     ApiError,
     Endpoint,
+    Services,
     json_response,
     path_int,
     read_body,
@@ -28,7 +32,13 @@ from mcp_edge.controlplane.api.schemas import (
     EnrollmentTokenOut,
 )
 from mcp_edge.controlplane.audit import AuditAction
-from mcp_edge.controlplane.auth import ENROLLMENT_TOKEN_PREFIX, Role, issue_secret, principal_of
+from mcp_edge.controlplane.auth import (
+    ENROLLMENT_TOKEN_PREFIX,
+    Principal,
+    Role,
+    issue_secret,
+    principal_of,
+)
 from mcp_edge.controlplane.db import enrollment as q
 from mcp_edge.controlplane.db.models import EnrollmentToken
 from mcp_edge.controlplane.enrollment import Approval, token_refusal
@@ -70,9 +80,11 @@ async def list_tokens(request: web.Request) -> web.Response:
     return json_response(EnrollmentTokenList(items=[token_out(t, now) for t in tokens]))
 
 
-async def create_token(request: web.Request) -> web.Response:
-    svc, who = services(request), principal_of(request)
-    body = await read_body(request, EnrollmentTokenCreate)
+async def create_enrollment_token(
+    svc: Services, who: Principal, body: EnrollmentTokenCreate
+) -> tuple[EnrollmentToken, str]:
+    """Create an enrollment token as ``who`` asked, audited; returns the row and the secret
+    (given to ``mcp-agent enroll --token``; only its hash is stored)."""
     secret = issue_secret(ENROLLMENT_TOKEN_PREFIX)
     now = svc.clock()
     expires_at = now + timedelta(seconds=body.expires_in_s) if body.expires_in_s else None
@@ -106,8 +118,33 @@ async def create_token(request: web.Request) -> web.Response:
                 "expires_at": expires_at.isoformat() if expires_at else None,
             },
         )
-    out = token_out(token, now)
-    return json_response(EnrollmentTokenCreated(**out.model_dump(), token=secret.token), 201)
+    return token, secret.token
+
+
+async def revoke_enrollment_token(svc: Services, who: Principal, token_id: int) -> EnrollmentToken:
+    """Revoke an enrollment token (kept for the audit trail), audited as ``who``; raises
+    :class:`~controlplane.db.NotFoundError`."""
+    now = svc.clock()
+    async with svc.db.transaction() as tx:
+        token = await q.revoke_token(tx, token_id, now)
+        await audit.record(
+            tx,
+            at=now,
+            actor=who.actor,
+            action=AuditAction.ENROLLMENT_TOKEN_REVOKED,
+            target_type="enrollment_token",
+            target_id=token_id,
+            detail={"prefix": token.prefix},
+        )
+    return token
+
+
+async def create_token(request: web.Request) -> web.Response:
+    svc = services(request)
+    body = await read_body(request, EnrollmentTokenCreate)
+    token, secret = await create_enrollment_token(svc, principal_of(request), body)
+    out = token_out(token, svc.clock())
+    return json_response(EnrollmentTokenCreated(**out.model_dump(), token=secret), 201)
 
 
 async def get_token(request: web.Request) -> web.Response:
@@ -121,21 +158,10 @@ async def get_token(request: web.Request) -> web.Response:
 
 
 async def revoke_token(request: web.Request) -> web.Response:
-    svc, who = services(request), principal_of(request)
+    svc = services(request)
     token_id = path_int(request, "token_id")
-    now = svc.clock()
-    async with svc.db.transaction() as tx:
-        token = await q.revoke_token(tx, token_id, now)
-        await audit.record(
-            tx,
-            at=now,
-            actor=who.actor,
-            action=AuditAction.ENROLLMENT_TOKEN_REVOKED,
-            target_type="enrollment_token",
-            target_id=token_id,
-            detail={"prefix": token.prefix},
-        )
-    return json_response(token_out(token, now))
+    token = await revoke_enrollment_token(svc, principal_of(request), token_id)
+    return json_response(token_out(token, svc.clock()))
 
 
 ENDPOINTS = [
