@@ -2,17 +2,32 @@
 # The test command: installs what the tests need on a fresh Debian machine, then runs pytest.
 #   bash tests/run.sh                 # whole suite
 #   bash tests/run.sh -k bundle -x    # arguments go to pytest
-# Installs Debian's mosquitto when missing, then .venv (or $MCP_VENV) with the project and its
-# extras at the versions pinned in deploy/constraints.txt (deploy/setup-venv.sh).
+# Installs Debian's mosquitto and chromium when missing, axe-core (npm) into .cache/axe, then
+# .venv (or $MCP_VENV) with the project and its extras at the versions pinned in
+# deploy/constraints.txt (deploy/setup-venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# apt_install PACKAGE WHY: install a Debian package (through sudo unless root).
+apt_install() {
+  echo "tests/run.sh: installing Debian $1 ($2)" >&2
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$1" >/dev/null
+}
+
 if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
-  echo "tests/run.sh: installing Debian mosquitto" >&2
-  SUDO=""
-  [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends mosquitto >/dev/null
+  apt_install mosquitto "the broker the integration tests run"
+fi
+if [ ! -x /usr/bin/chromium ]; then
+  apt_install chromium "the browser tests in tests/ui/ drive it"
+fi
+# axe-core, the accessibility checker tests/ui/test_console_a11y.py injects into each page.
+if [ ! -f .cache/axe/node_modules/axe-core/axe.min.js ]; then
+  command -v npm >/dev/null 2>&1 || apt_install npm "to fetch axe-core"
+  echo "tests/run.sh: fetching axe-core into .cache/axe" >&2
+  npm install --no-audit --no-fund --silent --prefix .cache/axe axe-core@4 >/dev/null
 fi
 
 bash deploy/setup-venv.sh
