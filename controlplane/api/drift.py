@@ -218,14 +218,22 @@ def trigger_out(t: TriggerView) -> TriggerOut:
 
 
 # ---------------------------------------------------------------------------- handlers
-def _admin(request: web.Request) -> DriftAdmin:
-    admin = request.app.get(DRIFT_ADMIN)
+def admin_of(app: web.Application) -> DriftAdmin:
+    """The app's :class:`DriftAdmin` (the API and the console share it); raises
+    :class:`ApiError` when there is none."""
+    admin = app.get(DRIFT_ADMIN)
     if admin is None:
         raise ApiError(ErrorCode.UNAVAILABLE, "drift is not set up on this control plane")
     return admin
 
 
-def _translate(e: DriftAdminError) -> ApiError:
+def _admin(request: web.Request) -> DriftAdmin:
+    return admin_of(request.app)
+
+
+def admin_error(e: DriftAdminError) -> ApiError:
+    """What a :class:`DriftAdminError` is answered with: 404 for what does not exist, else
+    400."""
     if isinstance(e, (TriggerNotFoundError, RuleNotFoundError)):
         return ApiError(ErrorCode.NOT_FOUND, str(e))
     return ApiError(ErrorCode.BAD_REQUEST, str(e))
@@ -275,7 +283,7 @@ async def put_rule(request: web.Request) -> web.Response:
             _model(request), changes, actor=principal_of(request).actor
         )
     except InvalidRuleError as e:
-        raise _translate(e) from e
+        raise admin_error(e) from e
     return json_response(rule_out(rule))
 
 
@@ -291,7 +299,7 @@ async def delete_rule(request: web.Request) -> web.Response:
     try:
         rule = await _admin(request).delete_rule(_model(request), actor=principal_of(request).actor)
     except DriftAdminError as e:
-        raise _translate(e) from e
+        raise admin_error(e) from e
     return json_response(rule_out(rule))
 
 
@@ -308,7 +316,7 @@ async def get_trigger(request: web.Request) -> web.Response:
     try:
         found = await _admin(request).trigger(path_int(request, "trigger_id"))
     except DriftAdminError as e:
-        raise _translate(e) from e
+        raise admin_error(e) from e
     return json_response(TriggerResult(trigger=trigger_out(found)))
 
 
@@ -320,7 +328,7 @@ async def acknowledge(request: web.Request) -> web.Response:
             trigger_id, actor=principal_of(request).actor, note=body.note
         )
     except DriftAdminError as e:
-        raise _translate(e) from e
+        raise admin_error(e) from e
     return json_response(TriggerResult(trigger=trigger_out(found)))
 
 

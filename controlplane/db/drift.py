@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import orjson
-from sqlalchemy import Table, delete, func, insert, select, update
+from sqlalchemy import Select, Table, delete, func, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from mcp_edge.controlplane.db.engine import Tx
@@ -58,7 +58,10 @@ class AggregateView:
 
 
 @dataclass(frozen=True)
-class ReportView:
+class ReportScore:
+    """A stored report's scores without its counts: what a chart or a table of many reports
+    needs (a report's counts are kilobytes)."""
+
     id: int
     device_id: str
     model: str
@@ -73,8 +76,15 @@ class ReportView:
     input_psi: float | None
     class_psi: float | None
     confidence_psi: float | None
-    counts: dict[str, Any]
     hard_examples: int
+
+
+@dataclass(frozen=True)
+class ReportView(ReportScore):
+    """A stored report with its counts (``{"features": {...}, "classes": [...],
+    "confidence": [...]}``)."""
+
+    counts: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -278,17 +288,85 @@ async def list_reports(
     limit: int = 1000,
 ) -> list[ReportView]:
     """A device's stored reports, oldest first (the newest ``limit`` of the span)."""
-    query = select(DriftReportRow).where(DriftReportRow.device_id == device_id)
-    if model is not None:
-        query = query.where(DriftReportRow.model == model)
-    if version is not None:
-        query = query.where(DriftReportRow.version == version)
+    query = _reports_of(select(DriftReportRow), device_id, model, version, since, until)
+    rows = (await tx.scalars(query.order_by(DriftReportRow.id.desc()).limit(limit))).all()
+    return [ReportView(**_fields(ReportView, r)) for r in reversed(rows)]
+
+
+def _reports_of(
+    query: Select[Any],
+    device_id: str | None,
+    model: str | None,
+    version: str | None,
+    since: datetime | None,
+    until: datetime | None,
+) -> Select[Any]:
+    """``query`` restricted to one device's (or every device's) reports of a span."""
+    for column, value in ((DriftReportRow.device_id, device_id), (DriftReportRow.model, model),
+                          (DriftReportRow.version, version)):  # fmt: skip
+        if value is not None:
+            query = query.where(column == value)
     if since is not None:
         query = query.where(DriftReportRow.received_at >= since)
     if until is not None:
         query = query.where(DriftReportRow.received_at < until)
-    rows = (await tx.scalars(query.order_by(DriftReportRow.id.desc()).limit(limit))).all()
-    return [ReportView(**_fields(ReportView, r)) for r in reversed(rows)]
+    return query
+
+
+_SCORE_COLUMNS = tuple(getattr(DriftReportRow, name) for name in ReportScore.__dataclass_fields__)
+SCORE_ORDERS = ("-score", "score", "device")
+"""How :func:`latest_scores` sorts: by score, largest first (a report without a score
+last), smallest first, or by device id."""
+
+
+async def report_scores(
+    tx: Tx,
+    *,
+    device_id: str,
+    model: str | None = None,
+    version: str | None = None,
+    since: datetime | None = None,
+    limit: int = 1000,
+) -> list[ReportScore]:
+    """A device's reports without their counts, oldest first (the newest ``limit``)."""
+    query = _reports_of(select(*_SCORE_COLUMNS), device_id, model, version, since, None)
+    rows = (await tx.execute(query.order_by(DriftReportRow.id.desc()).limit(limit))).all()
+    return [ReportScore(*row) for row in reversed(rows)]
+
+
+async def latest_scores(
+    tx: Tx,
+    *,
+    model: str,
+    version: str,
+    since: datetime | None = None,
+    order: str = "-score",
+    limit: int = 100,
+    offset: int = 0,
+) -> tuple[int, list[ReportScore]]:
+    """``(devices, page)``: how many devices reported ``version`` of ``model`` since
+    ``since``, and a page of each one's newest report in ``order`` (:data:`SCORE_ORDERS`)."""
+    newest = (
+        _reports_of(select(func.max(DriftReportRow.id).label("id")), None, model, version,
+                    since, None)
+        .group_by(DriftReportRow.device_id)
+        .subquery()
+    )  # fmt: skip
+    total = await tx.scalar(select(func.count()).select_from(newest))
+    score = DriftReportRow.score
+    sort = {
+        "-score": (score.is_(None), score.desc(), DriftReportRow.device_id),
+        "score": (score.is_(None), score, DriftReportRow.device_id),
+        "device": (DriftReportRow.device_id,),
+    }[order]
+    rows = await tx.execute(
+        select(*_SCORE_COLUMNS)
+        .join(newest, DriftReportRow.id == newest.c.id)
+        .order_by(*sort)
+        .limit(limit)
+        .offset(offset)
+    )
+    return int(total or 0), [ReportScore(*row) for row in rows]
 
 
 async def device_counts_since(

@@ -232,13 +232,28 @@ async def next_due(tx: Tx, *, webhooks: Collection[str]) -> datetime | None:
 
 
 async def list_deliveries(
-    tx: Tx, *, event_id: str | None = None, webhook: str | None = None, limit: int = 100
+    tx: Tx,
+    *,
+    event_id: str | None = None,
+    webhook: str | None = None,
+    event: str | None = None,
+    data: Mapping[str, int | str] | None = None,
+    limit: int = 100,
 ) -> list[DeliveryView]:
-    """Rows oldest first, optionally of one event or one webhook."""
+    """Rows oldest first, optionally of one event, one webhook, one event type, and events
+    whose ``data`` has each of the fields in ``data`` with that value (``{"trigger_id": 7}``:
+    the deliveries about retraining trigger 7)."""
     query = select(WebhookDeliveryRow)
     if event_id is not None:
         query = query.where(WebhookDeliveryRow.event_id == event_id)
     if webhook is not None:
         query = query.where(WebhookDeliveryRow.webhook == webhook)
+    if event is not None:
+        query = query.where(WebhookDeliveryRow.event == event)
+    for key, value in (data or {}).items():
+        field = WebhookDeliveryRow.body[key]
+        query = query.where(
+            field.as_integer() == value if isinstance(value, int) else field.as_string() == value
+        )
     rows = await tx.execute(query.order_by(WebhookDeliveryRow.id).limit(limit))
     return [_view(r) for r in rows.scalars()]

@@ -15,9 +15,12 @@ from typing import Any
 from mcp_edge.controlplane.db import Database
 from mcp_edge.controlplane.db import audit as audit_q
 from mcp_edge.controlplane.db import drift as q
-from mcp_edge.controlplane.db.drift import AggregateView, ReportView, TriggerView
+from mcp_edge.controlplane.db import hard_examples as examples_q
+from mcp_edge.controlplane.db import webhooks as webhooks_q
+from mcp_edge.controlplane.db.drift import AggregateView, ReportScore, ReportView, TriggerView
+from mcp_edge.controlplane.db.webhooks import DeliveryView
 from mcp_edge.controlplane.drift.rules import DEFAULT_MODEL, DriftRule, RuleError
-from mcp_edge.controlplane.drift.service import effective_rule, rule_of
+from mcp_edge.controlplane.drift.service import EVENT, effective_rule, rule_of
 from mcp_edge.shared.errors import McpError
 
 Clock = Callable[[], datetime]
@@ -53,6 +56,16 @@ class RuleInForce:
     source: str
     updated_at: datetime | None = None
     updated_by: str | None = None
+
+
+@dataclass(frozen=True)
+class TriggerRecord:
+    """A trigger with what followed it: the webhook deliveries of its ``retraining.triggered``
+    event (one per webhook that wanted it, oldest first) and the hard examples collected."""
+
+    trigger: TriggerView
+    deliveries: list[DeliveryView]
+    hard_examples: int
 
 
 class DriftAdmin:
@@ -145,6 +158,19 @@ class DriftAdmin:
             raise TriggerNotFoundError(f"no retraining trigger {trigger_id}")
         return found
 
+    async def record(self, trigger_id: int, *, max_deliveries: int = 100) -> TriggerRecord:
+        """A trigger with its webhook deliveries and hard-example count. Raises
+        :class:`TriggerNotFoundError`."""
+        async with self.db.read() as tx:
+            found = await q.get_trigger(tx, trigger_id)
+            if found is None:
+                raise TriggerNotFoundError(f"no retraining trigger {trigger_id}")
+            deliveries = await webhooks_q.list_deliveries(
+                tx, event=EVENT, data={"trigger_id": trigger_id}, limit=max_deliveries
+            )
+            examples = await examples_q.count_examples(tx, trigger_id)
+        return TriggerRecord(found, deliveries, examples)
+
     async def acknowledge(self, trigger_id: int, *, actor: str, note: str = "") -> TriggerView:
         """Mark a trigger acknowledged by ``actor`` (again: the note and time are replaced)."""
         now = self._clock()
@@ -188,4 +214,36 @@ class DriftAdmin:
             return await q.list_reports(
                 tx, device_id=device_id, model=model, version=version, since=since,
                 until=until, limit=limit,
+            )  # fmt: skip
+
+    async def report_scores(
+        self,
+        device_id: str,
+        *,
+        model: str | None = None,
+        since: datetime | None = None,
+        limit: int = 1000,
+    ) -> list[ReportScore]:
+        """A device's reports without their counts, oldest first (the newest ``limit``)."""
+        async with self.db.read() as tx:
+            return await q.report_scores(
+                tx, device_id=device_id, model=model, since=since, limit=limit
+            )
+
+    async def latest_by_device(
+        self,
+        model: str,
+        version: str,
+        *,
+        since: datetime | None = None,
+        order: str = "-score",
+        limit: int = 100,
+        offset: int = 0,
+    ) -> tuple[int, list[ReportScore]]:
+        """How many devices reported a version since ``since``, and a page of each one's
+        newest report (``order``: :data:`controlplane.db.drift.SCORE_ORDERS`)."""
+        async with self.db.read() as tx:
+            return await q.latest_scores(
+                tx, model=model, version=version, since=since, order=order, limit=limit,
+                offset=offset,
             )  # fmt: skip
