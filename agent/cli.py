@@ -1,10 +1,17 @@
-"""``mcp-agent``: the device-side command line."""
+"""``mcp-agent``: the device-side command line.
+
+Errors follow the house style (:mod:`mcp_edge.shared.cli_style`): one ``Error: ...`` line on
+stderr, exit 2 for a usage error, 1 for a failure (an :class:`McpError` or an OSError, shown
+without a traceback), 130 when interrupted; with ``--json`` one ``{"error", "code"}`` object.
+Every option can also be set with its ``MCP_<OPTION>`` environment variable.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -14,10 +21,50 @@ from mcp_edge.agent.fleet.cli import infer_command
 from mcp_edge.agent.run import run_command
 from mcp_edge.agent.serving.serve import serve_command
 from mcp_edge.agent.update.cli import updates_command
+from mcp_edge.shared import cli_style
+from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.profiles import HardwareProfile, load_profiles
 
+FAILURES = (McpError, OSError)
+"""What a command may fail with as a matter of course: shown in one line, exit status 1."""
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class Failure(click.ClickException):
+    """An expected failure as one line, with the code ``--json`` reports."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(" ".join(message.split()))
+        self.code = code
+
+
+def failure(e: BaseException) -> Failure:
+    """``e`` as one line: an OSError as ``FILE: reason``; the code is the exception's ``code``
+    attribute, else its class name in snake case (``IdentityError`` → ``identity``)."""
+    if isinstance(e, OSError) and e.strerror:
+        message = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    else:
+        message = str(e) or type(e).__name__
+    code = getattr(e, "code", None)
+    if not isinstance(code, str):
+        name = re.sub(r"(?<!^)(?=[A-Z])", "_", type(e).__name__).lower()
+        code = name.removesuffix("_error") or "failed"
+    return Failure(message, code)
+
+
+class AgentGroup(click.Group):
+    """Turns expected failures into one-line errors; ``main()`` runs in the house style."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except FAILURES as e:
+            raise failure(e) from e
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        cli_style.run(self, "mcp-agent", failures=FAILURES)
+
+
+@click.group(cls=AgentGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mcp-agent")
 def main() -> None:
     """MCP Edge device agent."""
@@ -232,6 +279,7 @@ main.add_command(enroll_command)
 main.add_command(run_command)
 main.add_command(infer_command)
 main.add_command(updates_command)
+cli_style.env_options(main)
 
 
 if __name__ == "__main__":

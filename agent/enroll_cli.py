@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 
@@ -21,12 +22,46 @@ def _labels(values: tuple[str, ...]) -> dict[str, str]:
     return labels
 
 
+def server_url(ctx: click.Context | None, param: click.Parameter | None, value: str) -> str:
+    """The control plane's base URL as given, once it is an http(s) URL with a host.
+
+    Raises click.BadParameter, saying what to add when the scheme is missing."""
+    parts = urlsplit(value)
+    if "://" not in value:
+        raise click.BadParameter(
+            f"{value!r} has no scheme; add one: http://{value} or https://{value}",
+            param_hint="'--server'",
+        )
+    if parts.scheme not in ("http", "https"):
+        raise click.BadParameter(
+            f"{value!r}: the scheme must be http:// or https://, not {parts.scheme}://",
+            param_hint="'--server'",
+        )
+    if not parts.hostname:
+        raise click.BadParameter(f"{value!r} names no host", param_hint="'--server'")
+    return value
+
+
+def _one_line(e: ValueError) -> str:
+    """A validation error of the enrollment request as ``field: problem; ...``."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'request'}: {err['msg']}"
+            for err in e.errors()
+        )
+        return f"the enrollment request is invalid: {problems}"
+    return str(e)
+
+
 @click.command("enroll")
 @click.option(
     "--server",
     required=True,
     envvar="MCP_SERVER",
-    help="Control plane URL, e.g. https://cp.example:8080.",
+    callback=server_url,
+    help="Control plane URL with its scheme, e.g. https://cp.example:8080.",
 )
 @click.option("--token", required=True, envvar="MCP_ENROLL_TOKEN", help="Enrollment token.")
 @click.option(
@@ -70,9 +105,9 @@ def enroll_command(
       mcp-agent enroll --server http://cp:8080 --token $TOKEN --wait 600
     """
     # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
-    from mcp_edge.agent.enroll import AlreadyEnrolled, EnrollError, enroll
+    from mcp_edge.agent.enroll import AlreadyEnrolled, enroll
     from mcp_edge.agent.hardware import collect_facts, select_profile
-    from mcp_edge.agent.identity import IdentityError, enrollment_path
+    from mcp_edge.agent.identity import enrollment_path
     from mcp_edge.shared.profiles import load_profiles
     from mcp_edge.shared.protocol.enrollment import EnrollmentStatus
 
@@ -96,8 +131,10 @@ def enroll_command(
     except AlreadyEnrolled as e:
         click.echo(str(e))
         return
-    except (EnrollError, IdentityError, McpError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
+    except McpError:
+        raise  # one line through mcp-agent's error handling, with its code
+    except ValueError as e:  # the request's schema refused a value given here
+        raise click.ClickException(_one_line(e)) from e
     if answer.status is EnrollmentStatus.PENDING:
         click.echo(
             f"enrollment of {answer.device_id} is pending approval; an operator can run\n"

@@ -21,9 +21,15 @@ from urllib.parse import urlsplit
 
 import click
 
+from mcp_edge.agent.config import config_option
 from mcp_edge.agent.runtime.manager import ModelManager
-from mcp_edge.agent.serving.serve import Attach
-from mcp_edge.shared.errors import McpError
+from mcp_edge.agent.serving.serve import (
+    Attach,
+    ServingOptions,
+    model_path_option,
+    serving_options,
+)
+from mcp_edge.shared.cli_style import log_options, setup_logging
 from mcp_edge.shared.profiles import HardwareProfile
 
 if TYPE_CHECKING:
@@ -65,10 +71,13 @@ def fleet_attachment(
     *,
     health_interval_s: float,
     inference_interval_s: float,
-    repo_url: str | None = None,
+    transport: RepoTransport | None = None,
     max_reply_bytes: int | None = None,
 ) -> Attach:
-    """The ``attach`` hook for :func:`agent.serving.serve.run_server` that runs the fleet session."""
+    """The ``attach`` hook for :func:`agent.serving.serve.run_server` that runs the fleet session.
+
+    ``transport``: where model updates come from (``--repo``); None: over MQTT.
+    """
     # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
     from mcp_edge.agent.identity import IdentityError, load_enrollment
     from mcp_edge.shared.protocol.wire import EnrollmentStatus
@@ -84,7 +93,6 @@ def fleet_attachment(
         )
     host, port, tls = broker_address(answer.broker.urls[0])
     trust = _trust(state_dir, answer.trust)
-    transport = repo_transport(repo_url) if repo_url else None
 
     @contextlib.asynccontextmanager
     async def attach(manager: ModelManager, profile: HardwareProfile) -> AsyncIterator[object]:
@@ -173,13 +181,13 @@ def _trust(state_dir: Path, trust: StoredTrust | None) -> tuple[list[PublicKey],
 
 
 @click.command("run")
-@click.option(
-    "--model-path",
-    default=None,
-    type=click.Path(exists=True, path_type=Path),
+@config_option()
+@model_path_option(
+    required=False,
     help="Also serve this model file (.onnx, .tflite, .mcpb) or directory of them, "
     "beside the models the control plane deploys.",
 )
+@serving_options
 @click.option(
     "--repo",
     "repo_url",
@@ -187,22 +195,6 @@ def _trust(state_dir: Path, trust: StoredTrust | None) -> tuple[list[PublicKey],
     metavar="URL",
     help="Fetch model updates from this TUF repository (file:///media/usb/repo, "
     "https://cdn/repo) instead of over MQTT from the control plane.",
-)
-@click.option("--host", default="127.0.0.1", show_default=True, help="Local HTTP address.")
-@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64))
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where `mcp-agent enroll` stored the identity (default: /var/lib/mcp-agent).",
-)
-@click.option(
-    "--trust-key",
-    "trust_keys",
-    multiple=True,
-    type=click.Path(exists=True, path_type=Path),
-    help="Publisher public key.",
 )
 @click.option(
     "--health-interval",
@@ -226,60 +218,42 @@ def _trust(state_dir: Path, trust: StoredTrust | None) -> tuple[list[PublicKey],
     "InferResponse.DEFAULT_MQTT_REPLY_BYTES); a bigger one becomes a too_large "
     "error reply. Application clients accept 4 MiB unless told more.",
 )
-@click.option(
-    "--log-level",
-    default="info",
-    show_default=True,
-    type=click.Choice(["debug", "info", "warning", "error"]),
-)
+@log_options
 def run_command(
     model_path: Path | None,
-    host: str,
-    port: int,
-    workers: int,
-    state_dir: Path | None,
-    trust_keys: tuple[Path, ...],
+    serving: ServingOptions,
+    repo_url: str | None,
     health_interval: float,
     stats_interval: float,
-    log_level: str,
-    repo_url: str | None,
     max_reply_mb: float | None,
+    log_level: str,
+    log_format: str,
 ) -> None:
     """Run enrolled: serve models locally and keep the fleet session to the broker.
+
+    Every option can also come from a TOML file (--config, default /etc/mcp-agent/agent.toml
+    when it exists; docs/agent.md): the command line wins over MCP_* variables, which win
+    over the file.
 
     \b
     Examples:
       mcp-agent enroll --server http://cp:8080 --token $TOKEN
       mcp-agent run                       # models come from the control plane
       mcp-agent run --model-path ./models # plus local ones
+      mcp-agent run --config agent.toml --port 8001
     """
-    from mcp_edge.agent.serving.serve import (
-        ServeConfig,
-        configure_logging,
-        default_state_dir,
-        run_until_stopped,
-    )
-    from mcp_edge.shared.signing import read_public_key
+    from mcp_edge.agent.serving.serve import run_until_stopped
 
-    configure_logging(log_level)
-    state = state_dir or default_state_dir()
+    setup_logging(log_level.lower(), log_format)
     try:
-        attach = fleet_attachment(
-            state,
-            health_interval_s=health_interval,
-            inference_interval_s=stats_interval,
-            repo_url=repo_url,
-            max_reply_bytes=None if max_reply_mb is None else int(max_reply_mb * 1024 * 1024),
-        )
-        keys = tuple(read_public_key(p) for p in trust_keys)
-    except (McpError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
-    config = ServeConfig(
-        model_path=model_path,
-        host=host,
-        port=port,
-        workers=workers,
-        trusted_keys=keys,
-        state_dir=state,
+        transport = repo_transport(repo_url) if repo_url else None
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    attach = fleet_attachment(
+        serving.state,
+        health_interval_s=health_interval,
+        inference_interval_s=stats_interval,
+        transport=transport,
+        max_reply_bytes=None if max_reply_mb is None else int(max_reply_mb * 1024 * 1024),
     )
-    run_until_stopped(config, attach)
+    run_until_stopped(serving.config(model_path), attach)

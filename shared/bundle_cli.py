@@ -1,11 +1,15 @@
 """``mcp-bundle``: build, sign, verify, inspect and push signed model bundles (.mcpb).
 
-Errors print one line, ``error: <reason>``, to stderr and exit with status 1; usage
-mistakes exit with status 2 (click's convention). See docs/bundle-format.md.
+Errors follow the house style (:mod:`mcp_edge.shared.cli_style`): one line, ``Error:
+<reason>``, on stderr and exit status 1 for a failure, 2 for a usage mistake; with ``--json``
+one ``{"error", "code"}`` object. A file that is not a bundle at all is said to be so
+(``Error: FILE is not an MCP bundle (why)``, code ``not_a_bundle``). Every option can also be
+set with its ``MCP_<OPTION>`` environment variable. See docs/bundle-format.md.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -13,11 +17,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
-from mcp_edge.shared import __version__
+from mcp_edge.shared import __version__, cli_style
 from mcp_edge.shared.bundle import (
     BundleManifest,
     VariantSource,
@@ -26,8 +30,11 @@ from mcp_edge.shared.bundle import (
     sign_bundle,
     verify_bundle,
 )
+from mcp_edge.shared.bundle._progress import progress_bar
+from mcp_edge.shared.bundle.manifest import MANIFEST_NAME
+from mcp_edge.shared.bundle.tarstream import BLOCK, TarStream
 from mcp_edge.shared.bundle.upload import upload_bundle
-from mcp_edge.shared.errors import McpError
+from mcp_edge.shared.errors import BundleError, KeyFileError, McpError, SigningError
 from mcp_edge.shared.signing import (
     PrivateKey,
     read_private_key,
@@ -40,33 +47,80 @@ _PATH = click.Path(path_type=Path, dir_okay=False)
 _EXISTING = click.Path(path_type=Path, exists=True, dir_okay=False)
 
 
-class CliError(Exception):
-    """A failure to report as ``error: <message>`` with exit status 1."""
+class CliError(click.ClickException):
+    """A failure to report as ``Error: <message>`` (one line) with exit status 1; ``code`` is
+    what ``--json`` reports."""
+
+    def __init__(self, message: str, code: str = "failed") -> None:
+        super().__init__(" ".join(message.split()))
+        self.code = code
+
+
+def _code(e: Exception) -> str:
+    """The ``--json`` code of an expected failure."""
+    kinds: list[tuple[type[Exception], str]] = [
+        (BundleError, "bundle_invalid"),
+        (KeyFileError, "key_file"),
+        (SigningError, "signature"),
+        (OSError, "file"),
+    ]
+    return next((code for kind, code in kinds if isinstance(e, kind)), "failed")
 
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except (CliError, McpError) as e:
-            _fail(ctx, str(e))
+        except McpError as e:
+            raise CliError(str(e), _code(e)) from e
         except OSError as e:
             where = f"{e.filename}: " if e.filename else ""
-            _fail(ctx, f"{where}{e.strerror or e}")
+            raise CliError(f"{where}{e.strerror or e}", _code(e)) from e
+
+    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
+        cli_style.run(self, "mcp-bundle", failures=(McpError, OSError))
 
 
-def _fail(ctx: click.Context, message: str) -> None:
-    click.echo(f"error: {' '.join(message.split())}", err=True)
-    ctx.exit(1)
+def not_a_bundle(path: Path) -> str | None:
+    """Why the file at ``path`` is no bundle at all (the start of a bundle is a POSIX ustar
+    header for ``manifest.json``), or None when it starts like one."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(BLOCK)
+    except OSError:
+        return None
+    if head[:2] == b"\x1f\x8b":
+        return "it is gzip-compressed; a bundle is an uncompressed tar archive"
+    if head[:4] == b"PK\x03\x04":
+        return "it is a zip archive"
+    if not head:
+        return "it is empty"
+    if len(head) < BLOCK:
+        return f"it is {len(head)} bytes long, shorter than one tar header"
+    if head == bytes(BLOCK):
+        return "it starts with an empty tar block"
+    try:
+        first = TarStream(io.BytesIO(head), lambda _: None, progress_bar(0, "", False))
+        header = first.next_header()
+    except BundleError:
+        return "it does not start with a POSIX ustar header"
+    if header is not None and header.name != MANIFEST_NAME:
+        return f"its first member is {header.name!r}, not {MANIFEST_NAME}"
+    return None
 
 
 @contextmanager
 def _about(path: Path) -> Iterator[None]:
-    """Prefix errors with the bundle they concern."""
+    """Prefix errors with the bundle they concern; say so when the file is no bundle at all."""
     try:
         yield
+    except BundleError as e:
+        why = not_a_bundle(path)
+        if why is not None:
+            raise CliError(f"{path} is not an MCP bundle ({why})", "not_a_bundle") from e
+        raise CliError(f"{path}: {e}", _code(e)) from e
     except McpError as e:
-        raise CliError(f"{path}: {e}") from e
+        raise CliError(f"{path}: {e}", _code(e)) from e
 
 
 def _human_size(n: int) -> str:
@@ -485,12 +539,14 @@ def push(
     with _about(bundle):
         info = inspect_bundle(bundle)
     if info["signature"] is None:
-        raise CliError(f"{bundle}: not signed; sign it first with `mcp-bundle sign --key ...`")
+        raise CliError(
+            f"{bundle}: not signed; sign it first with `mcp-bundle sign --key ...`", "unsigned"
+        )
     show = sys.stderr.isatty() if progress is None else progress
     status, answer = upload_bundle(server, token, bundle, timeout=timeout, progress=show)
     if status >= 400:
         message = answer.get("error") if isinstance(answer, dict) else None
-        raise CliError(f"{bundle}: {message or 'push failed'} (HTTP {status})")
+        raise CliError(f"{bundle}: {message or 'push failed'} (HTTP {status})", f"http_{status}")
     assert isinstance(answer, dict)
     if status == 200:
         click.echo(
@@ -505,9 +561,12 @@ def push(
     )
 
 
+cli_style.env_options(cli)
+
+
 def main() -> None:
     """Console-script entry point."""
-    cli(prog_name="mcp-bundle")
+    cli()
 
 
 if __name__ == "__main__":

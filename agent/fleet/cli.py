@@ -3,8 +3,9 @@
 Sends one Open Inference Protocol request over MQTT (to one device, or to the fleet) and prints
 the reply JSON. ``--data`` is either a full request body (``{"inputs": [...]}``) or bare numbers
 (a nested JSON array), sent as one FP32 input named ``--input-name``; a flat array becomes one
-row. Exit status: 0 answered, 1 the agent answered with an error (its JSON on stderr) or no
-reply came, 2 bad usage.
+row. Exit status: 0 answered; 1 the agent answered with an error (its error reply's JSON on
+stderr) or no reply came (``{"error": ..., "code": ...}`` on stderr, the code naming why:
+``no_responder``, ``inference_timeout``, ``inference_transport``); 2 bad usage.
 """
 
 from __future__ import annotations
@@ -178,6 +179,9 @@ def infer_command(
         click.echo(e.reply.model_dump_json(exclude_none=True), err=True)
         sys.exit(1)
     except InferenceClientError as e:
-        click.echo(json.dumps({"error": str(e)}), err=True)
+        from mcp_edge.agent.cli import failure
+
+        err = failure(e)
+        click.echo(json.dumps({"error": err.message, "code": err.code}), err=True)
         sys.exit(1)
     click.echo(payload.decode("utf-8", "replace"))

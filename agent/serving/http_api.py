@@ -13,7 +13,9 @@ Routes::
 Headers: ``X-Model-Version`` pins a version, ``X-Request-Key`` makes canary routing sticky,
 ``X-Priority`` is high/normal/low, ``X-Timeout-Ms`` sets the request deadline (read, with
 their MQTT counterparts, by :mod:`.requests`). Every error is ``{"error": "...", "code": "..."}``
-with the matching status (:func:`.requests.classify`); 429 carries ``Retry-After``. Inference
+with the matching status (:func:`.requests.classify`); 429 carries ``Retry-After``; a path
+no route has is 404 ``not_found``, a method the path does not take 405 ``bad_request`` with
+``Allow``. Inference
 requests are counted in the manager's statistics per version and role as MQTT ones are
 (:mod:`.requests`).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -70,6 +73,25 @@ def _classify(e: Exception) -> RequestError:
     if isinstance(e, web.HTTPRequestEntityTooLarge):
         return RequestError(ErrorCode.TOO_LARGE, "request body is too large")
     return classify(e)
+
+
+@web.middleware
+async def _route_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """aiohttp's own 404 and 405 (no such route, wrong method) in the API's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        body = {
+            "error": f"{request.method} is not allowed on {request.path[:200]}; use {allowed}",
+            "code": ErrorCode.BAD_REQUEST.value,
+        }
+        return _json(body, 405, {"Allow": ",".join(sorted(e.allowed_methods))})
+    except web.HTTPNotFound:
+        body = {"error": f"no such route: {request.path[:200]}", "code": ErrorCode.NOT_FOUND.value}
+        return _json(body, 404)
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -281,7 +303,7 @@ class Handlers:
 
 def build_app(manager: ModelManager, *, max_body: int = DEFAULT_MAX_BODY) -> web.Application:
     """The aiohttp application serving ``manager``'s models."""
-    app = web.Application(client_max_size=max_body)
+    app = web.Application(client_max_size=max_body, middlewares=[_route_errors])
     app[MANAGER] = manager
     app[METRICS] = manager.metrics
     h = Handlers(manager, manager.metrics, max_body)

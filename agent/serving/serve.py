@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from aiohttp import web
@@ -22,9 +23,9 @@ from mcp_edge.agent.runtime.runner import ModelRunner
 from mcp_edge.agent.serving.http_api import DEFAULT_MAX_BODY, build_app
 from mcp_edge.agent.serving.model_dir import (
     ModelDirectory,
-    ModelDirectoryError,
     ModelDirectoryWatcher,
 )
+from mcp_edge.shared.cli_style import JsonFormatter, log_options, setup_logging
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.profiles import HardwareProfile
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
@@ -33,6 +34,14 @@ if TYPE_CHECKING:
     from mcp_edge.shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent")
+
+DEFAULT_PORT = 8000
+"""The agent's HTTP port unless told otherwise; the control plane's is 8080, so both fit on
+one machine with their defaults."""
+
+
+class ListenError(McpError):
+    """The HTTP server cannot listen on the address it was given."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +75,8 @@ class ServeConfig:
     model_path: Path | None
     """A model file or directory to serve and watch; None: only what ``attach`` installs."""
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: int = DEFAULT_PORT
+    """0: any free port (the one bound is printed)."""
     workers: int = 1
     """Model instances per model version (sessions the batcher dispatches between)."""
     threads: int | None = None
@@ -125,6 +135,13 @@ def runner_factory(
     return build
 
 
+def listen_url(host: str, addresses: Sequence[Any]) -> str:
+    """``http://HOST:PORT`` with the port the server really bound (``--port 0`` picks one)."""
+    port = addresses[0][1] if addresses else 0
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}"
+
+
 Attach = Callable[[ModelManager, HardwareProfile], AbstractAsyncContextManager[object]]
 """Something that runs beside the local server for as long as it serves (the fleet session)."""
 
@@ -173,30 +190,22 @@ async def run_server(
     runner = web.AppRunner(app, access_log=log if config.access_log else None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
-    await site.start()
-    for name in manager.names():
-        lv = manager.get(name)
-        log.info("serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider)
-    names = manager.names()
-    where = f"http://{config.host}:{config.port}"
-    if names:
-        click.echo(
-            f"mcp-agent: serving {', '.join(names)} on {where} "
-            f"(profile {profile.name}; try GET /v2/models/{names[0]})",
-            err=True,
-        )
-    else:
-        click.echo(
-            f"mcp-agent: listening on {where} (profile {profile.name}); models come from the "
-            "state dir and the control plane's desired state",
-            err=True,
-        )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
     try:
+        try:
+            await site.start()
+        except OSError as e:
+            where = f"{config.host}:{config.port}"
+            raise ListenError(f"cannot listen on {where}: {e.strerror or e}") from e
+        for name in manager.names():
+            lv = manager.get(name)
+            log.info("serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider)
+        where = listen_url(config.host, runner.addresses)
+        _announce(where, profile, manager.names(), attach, watching=watcher is not None)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
         async with contextlib.AsyncExitStack() as stack:
             if attach is not None:
                 await stack.enter_async_context(attach(manager, profile))
@@ -211,6 +220,33 @@ async def run_server(
         await manager.close()
 
 
+def _say(line: str) -> None:
+    """A start-up line for the operator on stderr; a log record when the log is JSON, so
+    that stderr stays one JSON object per line."""
+    if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+        log.info("%s", line)
+    else:
+        click.echo(f"mcp-agent: {line}", err=True)
+
+
+def _announce(
+    where: str,
+    profile: HardwareProfile,
+    names: Sequence[str],
+    attach: Attach | None,
+    *,
+    watching: bool,
+) -> None:
+    """Where the server listens (the port really bound) and what it serves."""
+    _say(f"listening on {where} (profile {profile.name})")
+    if names:
+        _say(f"serving {', '.join(names)} on {where}; try GET {where}/v2/models/{names[0]}")
+    elif attach is not None:
+        _say("no model yet; models come from the state dir and the control plane's desired state")
+    elif watching:
+        _say("no model yet; model files put under --model-path load as they appear")
+
+
 def _install_event_loop() -> None:
     try:
         import uvloop
@@ -219,90 +255,213 @@ def _install_event_loop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None:
+    """The CLI side of :func:`run_server`: uvloop where available. Expected failures
+    (:class:`McpError`, OSError) propagate for the command line to print in one line."""
+    _install_event_loop()
+    asyncio.run(run_server(config, attach=attach))
+
+
+# ---------------------------------------------------------------------------- options
+# The options `mcp-agent serve` and `mcp-agent run` share: defined once, here.
+_OptionDecorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+_SERVING_OPTIONS: tuple[_OptionDecorator, ...] = (
+    click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on."),
+    click.option(
+        "--port",
+        default=DEFAULT_PORT,
+        show_default=True,
+        type=click.IntRange(0, 65535),
+        help="HTTP port (0: any free port; the port bound is printed).",
+    ),
+    click.option(
+        "--workers",
+        default=1,
+        show_default=True,
+        type=click.IntRange(1, 64),
+        help="Model instances per model; requests go to the least loaded.",
+    ),
+    click.option(
+        "--threads",
+        type=click.IntRange(1, 256),
+        default=None,
+        help="Backend threads per instance (default: the profile's).",
+    ),
+    click.option(
+        "--max-batch-size",
+        default=32,
+        show_default=True,
+        type=click.IntRange(1, 4096),
+        help="Most rows one backend call runs.",
+    ),
+    click.option(
+        "--max-queue-delay-ms",
+        default=0.0,
+        show_default=True,
+        type=click.FloatRange(0, 10_000),
+        help="How long a partial batch may wait for more requests.",
+    ),
+    click.option(
+        "--max-queue",
+        default=1024,
+        show_default=True,
+        type=click.IntRange(1, 1_000_000),
+        help="Requests waiting per model version before answering 429.",
+    ),
+    click.option(
+        "--timeout-ms",
+        default=30_000.0,
+        show_default=True,
+        type=click.FloatRange(1, 3_600_000),
+        help="Default per-request deadline (504 past it).",
+    ),
+    click.option("--no-batching", is_flag=True, help="Run every request on its own."),
+    click.option(
+        "--inline-below-us",
+        default=200.0,
+        show_default=True,
+        type=click.FloatRange(0, 1_000_000),
+        help="Batches faster than this run on the event loop (0: always on worker threads).",
+    ),
+    click.option(
+        "--profile", default=None, help="Hardware profile to use instead of detecting one."
+    ),
+    click.option(
+        "--backend",
+        default=None,
+        help="Backend or provider to try first (cpu, cuda, tensorrt, coreml, openvino, xnnpack).",
+    ),
+    click.option(
+        "--trust-key",
+        "trust_keys",
+        multiple=True,
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        help="Publisher public key; when given, bundles under --model-path must be signed by "
+        "one of them (repeatable).",
+    ),
+    click.option(
+        "--watch-interval",
+        default=1.0,
+        show_default=True,
+        type=click.FloatRange(0, 3600),
+        help="Seconds between checks for replaced model files (0: no hot reload).",
+    ),
+    click.option(
+        "--state-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        default=None,
+        help="The agent's state: enrollment, installed models, unpacked bundles (default: "
+        "/var/lib/mcp-agent for root, else $XDG_STATE_HOME/mcp-agent).",
+    ),
+    click.option(
+        "--max-body-mb",
+        default=8,
+        show_default=True,
+        type=click.IntRange(1, 1024),
+        help="Largest HTTP request body, in MiB (413 above it).",
+    ),
+    click.option("--access-log", is_flag=True, help="Log every request."),
+)
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """The values of the serving options, as the command line (or config file) gave them."""
+
+    host: str
+    port: int
+    workers: int
+    threads: int | None
+    max_batch_size: int
+    max_queue_delay_ms: float
+    max_queue: int
+    timeout_ms: float
+    no_batching: bool
+    inline_below_us: float
+    profile: str | None
+    backend: str | None
+    trust_keys: tuple[Path, ...]
+    watch_interval: float
+    state_dir: Path | None
+    max_body_mb: int
+    access_log: bool
+
+    @property
+    def state(self) -> Path:
+        return self.state_dir or default_state_dir()
+
+    def config(
+        self,
+        model_path: Path | None,
+        *,
+        candidates: tuple[Candidate, ...] = (),
+        canary_max_error_rate: float = DEFAULT_CANARY_POLICY.max_error_rate,
+    ) -> ServeConfig:
+        """The server's configuration. Raises McpError for an unreadable trust key."""
+        keys: tuple[PublicKey, ...] = ()
+        if self.trust_keys:  # PyNaCl is loaded only when keys are given: ~1 MiB of RSS
+            from mcp_edge.shared.signing import read_public_key
+
+            keys = tuple(read_public_key(p) for p in self.trust_keys)
+        return ServeConfig(
+            model_path=model_path,
+            host=self.host,
+            port=self.port,
+            workers=self.workers,
+            threads=self.threads,
+            batching=BatchingConfig(
+                max_batch_size=1 if self.no_batching else self.max_batch_size,
+                max_queue_delay_s=self.max_queue_delay_ms / 1000.0,
+                max_queue=self.max_queue,
+                default_timeout_s=self.timeout_ms / 1000.0,
+                inline_below_s=self.inline_below_us / 1e6,
+            ),
+            profile=self.profile,
+            backend=self.backend,
+            trusted_keys=keys,
+            watch_interval_s=self.watch_interval or None,
+            state_dir=self.state,
+            max_body=self.max_body_mb * 1024 * 1024,
+            access_log=self.access_log,
+            candidates=candidates,
+            canary_max_error_rate=canary_max_error_rate,
+        )
+
+
+_SERVING_FIELDS = tuple(f.name for f in fields(ServingOptions))
+
+
+def serving_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the serving options to a command function, which receives them as one
+    ``serving: ServingOptions`` argument."""
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        serving = ServingOptions(**{name: kwargs.pop(name) for name in _SERVING_FIELDS})
+        return command(serving=serving, **kwargs)
+
+    decorated: Callable[..., Any] = wrapper
+    for option in reversed(_SERVING_OPTIONS):
+        decorated = option(decorated)
+    return decorated
+
+
+def model_path_option(*, required: bool, help: str) -> _OptionDecorator:
+    return click.option(
+        "--model-path",
+        required=required,
+        default=None,
+        type=click.Path(exists=True, path_type=Path),
+        help=help,
     )
 
 
-def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None:
-    """The CLI side of :func:`run_server`: uvloop where available, errors as one clean line."""
-    _install_event_loop()
-    try:
-        asyncio.run(run_server(config, attach=attach))
-    except (ModelDirectoryError, McpError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
-    except OSError as e:
-        raise click.ClickException(
-            f"cannot listen on {config.host}:{config.port}: {e.strerror or e}"
-        ) from e
-
-
 @click.command("serve")
-@click.option(
-    "--model-path",
-    required=True,
-    type=click.Path(exists=True, path_type=Path),
-    help="A model file (.onnx, .tflite, .mcpb) or a directory of them.",
+@model_path_option(
+    required=True, help="A model file (.onnx, .tflite, .mcpb) or a directory of them."
 )
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
-@click.option(
-    "--workers",
-    default=1,
-    show_default=True,
-    type=click.IntRange(1, 64),
-    help="Model instances per model; requests go to the least loaded.",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(1, 256),
-    default=None,
-    help="Backend threads per instance (default: the profile's).",
-)
-@click.option("--max-batch-size", default=32, show_default=True, type=click.IntRange(1, 4096))
-@click.option(
-    "--max-queue-delay-ms",
-    default=0.0,
-    show_default=True,
-    type=click.FloatRange(0, 10_000),
-    help="How long a partial batch may wait for more requests.",
-)
-@click.option(
-    "--max-queue",
-    default=1024,
-    show_default=True,
-    type=click.IntRange(1, 1_000_000),
-    help="Requests waiting per model version before answering 429.",
-)
-@click.option(
-    "--timeout-ms",
-    default=30_000.0,
-    show_default=True,
-    type=click.FloatRange(1, 3_600_000),
-    help="Default per-request deadline (504 past it).",
-)
-@click.option("--no-batching", is_flag=True, help="Run every request on its own.")
-@click.option(
-    "--inline-below-us",
-    default=200.0,
-    show_default=True,
-    type=click.FloatRange(0, 1_000_000),
-    help="Batches faster than this run on the event loop (0: always on worker threads).",
-)
-@click.option("--profile", default=None, help="Hardware profile to use instead of detecting one.")
-@click.option(
-    "--backend",
-    default=None,
-    help="Backend or provider to try first (cpu, cuda, tensorrt, coreml, openvino, xnnpack).",
-)
-@click.option(
-    "--trust-key",
-    "trust_keys",
-    multiple=True,
-    type=click.Path(exists=True, path_type=Path),
-    help="Publisher public key; when given, bundles must be signed by one of them.",
-)
+@serving_options
 @click.option(
     "--canary",
     "canaries",
@@ -328,21 +487,6 @@ def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None
     f"{DEFAULT_CANARY_POLICY.window} requests, from {DEFAULT_CANARY_POLICY.min_requests} on).",
 )
 @click.option(
-    "--watch-interval",
-    default=1.0,
-    show_default=True,
-    type=click.FloatRange(0, 3600),
-    help="Seconds between checks for replaced model files (0: no hot reload).",
-)
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Where bundles are unpacked (default: /var/lib/mcp-agent or ~/.local/state).",
-)
-@click.option("--max-body-mb", default=8, show_default=True, type=click.IntRange(1, 1024))
-@click.option("--access-log", is_flag=True, help="Log every request.")
-@click.option(
     "--drift/--no-drift",
     default=False,
     show_default=True,
@@ -356,80 +500,36 @@ def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None
     type=click.IntRange(1, 1_000_000),
     help="With --drift: bin 1 in N answered requests.",
 )
-@click.option(
-    "--log-level",
-    default="info",
-    show_default=True,
-    type=click.Choice(["debug", "info", "warning", "error"]),
-)
+@log_options
 def serve_command(
     model_path: Path,
-    host: str,
-    port: int,
-    workers: int,
-    threads: int | None,
-    max_batch_size: int,
-    max_queue_delay_ms: float,
-    max_queue: int,
-    timeout_ms: float,
-    no_batching: bool,
-    inline_below_us: float,
-    profile: str | None,
-    backend: str | None,
-    trust_keys: tuple[Path, ...],
+    serving: ServingOptions,
     canaries: tuple[str, ...],
     shadows: tuple[Path, ...],
     canary_max_error_rate: float,
-    watch_interval: float,
-    state_dir: Path | None,
-    max_body_mb: int,
-    access_log: bool,
     drift: bool,
     drift_sample_every: int,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Serve models over HTTP (Open Inference Protocol v2 and /v1/infer) with no control plane.
 
     \b
     Examples:
-      mcp-agent serve --model-path digits.onnx --port 8080
+      mcp-agent serve --model-path digits.onnx
       mcp-agent serve --model-path models/ --workers 2 --trust-key publisher.pub
       mcp-agent serve --model-path digits.onnx --canary next/digits.onnx:0.2
-      curl localhost:8080/v2/models/digits
+      mcp-agent serve --model-path digits.onnx --port 0   # any free port, printed
+      curl localhost:8000/v2/models/digits
     """
-    configure_logging(log_level)
+    setup_logging(log_level.lower(), log_format)
     try:
-        keys: tuple[PublicKey, ...] = ()
-        if trust_keys:  # PyNaCl is loaded only when keys are given: ~1 MiB of RSS otherwise
-            from mcp_edge.shared.signing import read_public_key
-
-            keys = tuple(read_public_key(p) for p in trust_keys)
         candidates = tuple(parse_canary(c) for c in canaries)
-    except (McpError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
     candidates += tuple(Candidate("shadow", p) for p in shadows)
-    config = ServeConfig(
-        model_path=model_path,
-        host=host,
-        port=port,
-        workers=workers,
-        threads=threads,
-        batching=BatchingConfig(
-            max_batch_size=1 if no_batching else max_batch_size,
-            max_queue_delay_s=max_queue_delay_ms / 1000.0,
-            max_queue=max_queue,
-            default_timeout_s=timeout_ms / 1000.0,
-            inline_below_s=inline_below_us / 1e6,
-        ),
-        profile=profile,
-        backend=backend,
-        trusted_keys=keys,
-        watch_interval_s=watch_interval or None,
-        state_dir=state_dir or default_state_dir(),
-        max_body=max_body_mb * 1024 * 1024,
-        access_log=access_log,
-        candidates=candidates,
-        canary_max_error_rate=canary_max_error_rate,
+    config = serving.config(
+        model_path, candidates=candidates, canary_max_error_rate=canary_max_error_rate
     )
     attach = None
     if drift:  # pydantic (the policy) and the drift maths load only when asked
