@@ -246,7 +246,8 @@ class EventQuery(Request):
 
 
 # ---------------------------------------------------------------------------- handlers
-def _service(request: web.Request) -> RolloutService:
+def rollout_service(request: web.Request) -> RolloutService:
+    """The app's rollout service; ApiError (503) when this control plane runs none."""
     service = request.app.get(ROLLOUTS)
     if service is None:
         raise ApiError(ErrorCode.UNAVAILABLE, "rollouts are not set up on this control plane")
@@ -299,15 +300,36 @@ def rollout_out(d: RolloutDetail) -> RolloutOut:
     )
 
 
-async def create_rollout(request: web.Request) -> web.Response:
-    service, who = _service(request), principal_of(request)
-    body = await read_body(request, RolloutCreate)
+async def start_rollout(
+    service: RolloutService, body: RolloutCreate, *, actor: str
+) -> RolloutDetail:
+    """Create the rollout ``body`` asks for, as ``actor`` (``POST /api/v1/rollouts`` and the
+    console's form both call this). Raises :class:`ApiError`: 400 a bad spec, 404 no such
+    model, version or device, 409 a conflict with the fleet or another rollout."""
     try:
-        detail = await service.create(
-            body.model_dump(exclude_unset=True, exclude_none=True), actor=who.actor
+        return await service.create(
+            body.model_dump(exclude_unset=True, exclude_none=True), actor=actor
         )
     except (RolloutError, DeploymentError, SpecError) as e:
         raise _translate(e) from e
+
+
+async def command_rollout(
+    service: RolloutService, rollout_id: int, op: str, *, actor: str, reason: str = ""
+) -> RolloutDetail:
+    """Carry out the operator command ``op`` (pause, resume, abort, promote, approve,
+    rollback) as ``actor``: what ``POST /api/v1/rollouts/{id}/{op}`` and the console's buttons
+    do. Raises :class:`ApiError`: 404 no such rollout, 409 not in this status."""
+    try:
+        return await service.command(rollout_id, op, actor=actor, reason=reason)
+    except RolloutError as e:
+        raise _translate(e) from e
+
+
+async def create_rollout(request: web.Request) -> web.Response:
+    service, who = rollout_service(request), principal_of(request)
+    body = await read_body(request, RolloutCreate)
+    detail = await start_rollout(service, body, actor=who.actor)
     return json_response(RolloutResult(rollout=rollout_out(detail)), 201)
 
 
@@ -318,7 +340,7 @@ async def list_rollouts(request: web.Request) -> web.Response:
         statuses = list(q.ACTIVE_STATUSES)
     elif query.status is not None:
         statuses = [query.status]
-    details = await _service(request).list_rollouts(
+    details = await rollout_service(request).list_rollouts(
         limit=query.limit, before_id=query.before_id, model=query.model, statuses=statuses
     )
     return json_response(RolloutList(items=[rollout_out(d) for d in details]))
@@ -326,14 +348,14 @@ async def list_rollouts(request: web.Request) -> web.Response:
 
 async def get_rollout(request: web.Request) -> web.Response:
     try:
-        detail = await _service(request).get(path_int(request, "rollout_id"))
+        detail = await rollout_service(request).get(path_int(request, "rollout_id"))
     except RolloutError as e:
         raise _translate(e) from e
     return json_response(RolloutResult(rollout=rollout_out(detail)))
 
 
 async def _existing(request: web.Request) -> tuple[RolloutService, int]:
-    service, rollout_id = _service(request), path_int(request, "rollout_id")
+    service, rollout_id = rollout_service(request), path_int(request, "rollout_id")
     async with service.db.read() as tx:
         if await q.get_rollout(tx, rollout_id) is None:
             raise ApiError(ErrorCode.NOT_FOUND, f"no rollout {rollout_id}")
@@ -362,13 +384,10 @@ async def rollout_events(request: web.Request) -> web.Response:
 
 def _commander(op: str) -> Any:
     async def handler(request: web.Request) -> web.Response:
-        service, who = _service(request), principal_of(request)
+        service, who = rollout_service(request), principal_of(request)
         rollout_id = path_int(request, "rollout_id")
         body = await read_body(request, ReasonBody)
-        try:
-            detail = await service.command(rollout_id, op, actor=who.actor, reason=body.reason)
-        except RolloutError as e:
-            raise _translate(e) from e
+        detail = await command_rollout(service, rollout_id, op, actor=who.actor, reason=body.reason)
         return json_response(RolloutResult(rollout=rollout_out(detail)))
 
     handler.__name__ = f"{op}_rollout"
