@@ -1,12 +1,19 @@
-"""Devices: list with filters, detail, labels, revoke.
+"""Devices: list with filters, detail, labels, revoke, inference figures.
 
-GET   /api/v1/devices                    viewer; ?label=k=v&label=k&profile=&status=&group=&q=
-GET   /api/v1/devices/{device_id}        viewer
-PATCH /api/v1/devices/{device_id}/labels operator: {"set": {...}, "remove": [...]}
-POST  /api/v1/devices/{device_id}/revoke operator: disable at the broker, refuse from now on
+GET   /api/v1/devices                      viewer; ?label=k=v&label=k&profile=&status=&group=&q=
+                                           &model=&in_sync=
+GET   /api/v1/devices/{device_id}          viewer: the device, its facts and its models
+GET   /api/v1/devices/{device_id}/inference viewer: requests, errors, p95 per model version
+PATCH /api/v1/devices/{device_id}/labels   operator: {"set": {...}, "remove": [...]}
+POST  /api/v1/devices/{device_id}/revoke   operator: disable at the broker, refuse from now on
+
+:func:`change_labels` and :func:`revoke` are the changes themselves (audited, and for a revoke
+the broker account disabled in the same transaction); the console calls them too.
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 from aiohttp import web
 
@@ -14,6 +21,7 @@ from mcp_edge.controlplane import audit
 from mcp_edge.controlplane.api.common import (
     ApiError,
     Endpoint,
+    Services,
     json_response,
     read_body,
     read_query,
@@ -22,16 +30,23 @@ from mcp_edge.controlplane.api.common import (
 from mcp_edge.controlplane.api.schemas import (
     CONNECTION_STATES,
     DeviceDetail,
+    DeviceDocument,
+    DeviceInference,
     DeviceList,
+    DeviceListItem,
     DeviceOut,
     DeviceQuery,
+    InferenceQuery,
     LabelsPatch,
+    ModelSyncOut,
     ReasonBody,
+    VersionFiguresOut,
 )
 from mcp_edge.controlplane.audit import AuditAction
 from mcp_edge.controlplane.auth import Role, principal_of
 from mcp_edge.controlplane.db import devices as q
-from mcp_edge.controlplane.db.devices import DeviceFilter, DeviceView
+from mcp_edge.controlplane.db import telemetry as telemetry_q
+from mcp_edge.controlplane.db.devices import DeviceFilter, DeviceView, ModelSync
 from mcp_edge.controlplane.enrollment import DeviceStatus
 from mcp_edge.shared.protocol.base import MAX_LABELS
 from mcp_edge.shared.protocol.command import ErrorCode
@@ -39,6 +54,14 @@ from mcp_edge.shared.protocol.command import ErrorCode
 
 def device_out(view: DeviceView) -> DeviceOut:
     return DeviceOut.model_validate(view)
+
+
+def sync_fields(models: list[ModelSync]) -> dict[str, object]:
+    """``models`` and ``in_sync`` of a device's answer."""
+    return {
+        "models": [ModelSyncOut.model_validate(m) for m in models],
+        "in_sync": all(m.in_sync for m in models),
+    }
 
 
 def device_filter(query: DeviceQuery) -> DeviceFilter:
@@ -74,6 +97,8 @@ def device_filter(query: DeviceQuery) -> DeviceFilter:
         group=query.group,
         online=online.pop() if len(online) == 1 else None,
         search=query.q,
+        model=query.model,
+        in_sync=query.in_sync,
     )
 
 
@@ -84,13 +109,13 @@ async def list_devices(request: web.Request) -> web.Response:
         views, total = await q.list_devices(
             tx, device_filter(query), limit=query.limit, offset=query.offset
         )
+        models = await q.model_sync(tx, [v.id for v in views])
+    items = [
+        DeviceListItem.model_validate({**device_out(v).model_dump(), **sync_fields(models[v.id])})
+        for v in views
+    ]
     return json_response(
-        DeviceList(
-            items=[device_out(v) for v in views],
-            total=total,
-            limit=query.limit,
-            offset=query.offset,
-        )
+        DeviceList(items=items, total=total, limit=query.limit, offset=query.offset)
     )
 
 
@@ -104,14 +129,40 @@ async def _get(request: web.Request) -> DeviceView:
 
 
 async def get_device(request: web.Request) -> web.Response:
-    return json_response(DeviceDetail.model_validate(await _get(request)))
+    view = await _get(request)
+    async with services(request).db.read() as tx:
+        models = (await q.model_sync(tx, [view.id]))[view.id]
+    detail = DeviceDetail.model_validate(view).model_dump()
+    return json_response(DeviceDocument.model_validate({**detail, **sync_fields(models)}))
 
 
-async def patch_labels(request: web.Request) -> web.Response:
-    svc, who = services(request), principal_of(request)
-    device_id = request.match_info["device_id"]
-    body = await read_body(request, LabelsPatch)
-    both = set(body.set) & set(body.remove)
+async def device_inference(request: web.Request) -> web.Response:
+    """Per model version and role: requests, errors and p95 over the window (the figures the
+    rollout gates read, :func:`controlplane.db.telemetry.version_stats`)."""
+    query = read_query(request, InferenceQuery)
+    view = await _get(request)
+    since = services(request).clock() - timedelta(seconds=query.window_s)
+    items: list[VersionFiguresOut] = []
+    async with services(request).db.read() as tx:
+        for model in await q.inference_models(tx, view.id, since):
+            stats = await telemetry_q.version_stats(tx, [view.id], model, since)
+            for (_, version, role), t in sorted(stats.items()):
+                items.append(
+                    VersionFiguresOut(
+                        model=model, version=version, role=role, requests=t.requests,
+                        errors=t.errors, error_rate=t.errors / t.requests if t.requests else None,
+                        p95_ms=t.p95_ms,
+                    )
+                )  # fmt: skip
+    return json_response(DeviceInference(device_id=view.id, since=since, items=items))
+
+
+async def change_labels(
+    svc: Services, actor: str, device_id: str, patch: LabelsPatch
+) -> DeviceView:
+    """Set and remove labels of a device, audited; raises :class:`ApiError` (unknown device,
+    a key both set and removed, more than :data:`MAX_LABELS` labels)."""
+    both = set(patch.set) & set(patch.remove)
     if both:
         raise ApiError(ErrorCode.BAD_REQUEST, f"label(s) {sorted(both)} both set and removed")
     now = svc.clock()
@@ -119,8 +170,8 @@ async def patch_labels(request: web.Request) -> web.Response:
         view = await q.get_device(tx, device_id, lock=True)
         if view is None:
             raise ApiError(ErrorCode.NOT_FOUND, f"no device {device_id!r}")
-        labels = {k: v for k, v in view.labels.items() if k not in body.remove}
-        labels.update(body.set)
+        labels = {k: v for k, v in view.labels.items() if k not in patch.remove}
+        labels.update(patch.set)
         if len(labels) > MAX_LABELS:
             raise ApiError(ErrorCode.BAD_REQUEST, f"a device has at most {MAX_LABELS} labels")
         await q.replace_labels(tx, device_id, labels)
@@ -128,28 +179,26 @@ async def patch_labels(request: web.Request) -> web.Response:
         await audit.record(
             tx,
             at=now,
-            actor=who.actor,
+            actor=actor,
             action=AuditAction.DEVICE_LABELS_CHANGED,
             target_type="device",
             target_id=device_id,
-            detail={"set": body.set, "remove": body.remove},
+            detail={"set": patch.set, "remove": patch.remove},
         )
-    return json_response(DeviceDetail.model_validate(view))
+    return view
 
 
-async def revoke_device(request: web.Request) -> web.Response:
-    """Revoke: the broker disables the account (and kicks a live session) inside the same
-    transaction, so a failure there leaves the device as it was and the operator can retry."""
-    svc, who = services(request), principal_of(request)
-    device_id = request.match_info["device_id"]
-    body = await read_body(request, ReasonBody)
+async def revoke(svc: Services, actor: str, device_id: str, reason: str) -> tuple[DeviceView, bool]:
+    """Revoke a device: the broker disables the account (and kicks a live session) inside the
+    same transaction, so a failure there leaves the device as it was and the operator can
+    retry. Returns the device and whether this call revoked it (False: it already was)."""
     now = svc.clock()
     async with svc.db.transaction() as tx:
         view = await q.get_device(tx, device_id, lock=True)
         if view is None:
             raise ApiError(ErrorCode.NOT_FOUND, f"no device {device_id!r}")
         if view.status == DeviceStatus.REVOKED.value:
-            return json_response(DeviceDetail.model_validate(view))
+            return view, False
         if view.accepted_at is not None:
             await svc.provisioner.disable_device(device_id)
         view = await q.update_device(
@@ -163,12 +212,29 @@ async def revoke_device(request: web.Request) -> web.Response:
         await audit.record(
             tx,
             at=now,
-            actor=who.actor,
+            actor=actor,
             action=AuditAction.DEVICE_REVOKED,
             target_type="device",
             target_id=device_id,
-            detail={"reason": body.reason},
+            detail={"reason": reason},
         )
+    return view, True
+
+
+async def patch_labels(request: web.Request) -> web.Response:
+    body = await read_body(request, LabelsPatch)
+    view = await change_labels(
+        services(request), principal_of(request).actor, request.match_info["device_id"], body
+    )
+    return json_response(DeviceDetail.model_validate(view))
+
+
+async def revoke_device(request: web.Request) -> web.Response:
+    body = await read_body(request, ReasonBody)
+    view, _ = await revoke(
+        services(request), principal_of(request).actor, request.match_info["device_id"],
+        body.reason,
+    )  # fmt: skip
     return json_response(DeviceDetail.model_validate(view))
 
 
@@ -177,7 +243,7 @@ ENDPOINTS = [
         "GET",
         "/api/v1/devices",
         list_devices,
-        "List devices, filtered by label, profile, status, group",
+        "List devices with their models, filtered by label, profile, status, group, model, sync",
         Role.VIEWER,
         "devices",
         query=DeviceQuery,
@@ -187,10 +253,20 @@ ENDPOINTS = [
         "GET",
         "/api/v1/devices/{device_id}",
         get_device,
-        "One device with its facts",
+        "One device with its facts and its models",
         Role.VIEWER,
         "devices",
-        response=DeviceDetail,
+        response=DeviceDocument,
+    ),
+    Endpoint(
+        "GET",
+        "/api/v1/devices/{device_id}/inference",
+        device_inference,
+        "Requests, errors and p95 latency of each model version on a device, over a window",
+        Role.VIEWER,
+        "devices",
+        query=InferenceQuery,
+        response=DeviceInference,
     ),
     Endpoint(
         "PATCH",

@@ -232,8 +232,38 @@ class DeviceDetail(DeviceOut):
     facts: dict[str, Any]
 
 
+class ModelSyncOut(Response):
+    """One model of a device: what it was told to run against what it reports."""
+
+    model: str
+    desired_version: str | None = Field(
+        description="the stable version the device was told to run; null: it was not told to "
+        "run this model, yet reports it"
+    )
+    canary_version: str | None = Field(description="the canary it was told to run beside it")
+    reported_version: str | None = Field(description="the active version it last reported")
+    phase: str | None = Field(description="the deployment phase it last reported")
+    in_sync: bool = Field(
+        description="the device applied its newest desired state and reports the desired "
+        "stable version active"
+    )
+
+
+class SyncState(Response):
+    models: list[ModelSyncOut] = Field(description="desired models by name, then reported ones")
+    in_sync: bool = Field(description="every model in sync (true for a device without models)")
+
+
+class DeviceListItem(DeviceOut, SyncState):
+    """A device in a list, with its models."""
+
+
+class DeviceDocument(DeviceDetail, SyncState):
+    """A device with its facts and its models."""
+
+
 class DeviceList(Response):
-    items: list[DeviceOut]
+    items: list[DeviceListItem]
     total: int = Field(description="devices matching the filters, over all pages")
     limit: int
     offset: int
@@ -254,8 +284,44 @@ class DeviceQuery(Request):
     q: Annotated[str, StringConstraints(max_length=64)] | None = Field(
         default=None, description="substring of the device id"
     )
+    model: Identifier | None = Field(
+        default=None, description="devices told to run this model, or reporting it"
+    )
+    in_sync: bool | None = Field(
+        default=None,
+        description="true: devices whose every model is in sync; false: those with one that is not",
+    )
     limit: Annotated[int, Field(ge=1, le=1000)] = 100
     offset: Annotated[int, Field(ge=0, le=MAX_ROW_ID)] = 0
+
+
+MAX_INFERENCE_WINDOW_S = 7 * 24 * 3600
+
+
+class InferenceQuery(Request):
+    """Query parameters of ``GET /api/v1/devices/{device_id}/inference``."""
+
+    window_s: Annotated[int, Field(ge=60, le=MAX_INFERENCE_WINDOW_S)] = Field(
+        default=3600, description="how far back from now, in seconds"
+    )
+
+
+class VersionFiguresOut(Response):
+    """One model version in one role on one device, summed over the window."""
+
+    model: str
+    version: str
+    role: str = Field(description="stable, canary or shadow")
+    requests: int
+    errors: int
+    error_rate: float | None = Field(description="errors / requests; null without requests")
+    p95_ms: float | None = Field(description="95th-percentile latency of successful requests")
+
+
+class DeviceInference(Response):
+    device_id: str
+    since: datetime
+    items: list[VersionFiguresOut]
 
 
 class LabelsPatch(Request):

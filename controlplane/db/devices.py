@@ -2,6 +2,13 @@
 
 Devices leave this module as :class:`DeviceView` (the row plus its labels as a dict), so
 callers never hold an ORM object whose attributes could trigger lazy I/O.
+
+Whether a device runs what it was told (:class:`ModelSync`, :func:`model_sync`) compares its
+desired models (``device_models``, the newest signed document's ``seq``) with its last
+reported state (``device_reported``): a model is in sync when the device applied the newest
+document and reports the desired stable version active. :func:`list_devices` filters on that
+in SQL (the reported models are read with the database's JSON functions), so a page of a large
+fleet never loads the fleet.
 """
 
 from __future__ import annotations
@@ -11,11 +18,39 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, delete, exists, func, insert, select
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    Select,
+    and_,
+    case,
+    cast,
+    delete,
+    exists,
+    func,
+    insert,
+    literal,
+    not_,
+    or_,
+    select,
+    true,
+)
 
 from mcp_edge.controlplane.db.engine import Tx
 from mcp_edge.controlplane.db.errors import NotFoundError
-from mcp_edge.controlplane.db.models import Device, DeviceLabel
+from mcp_edge.controlplane.db.models import (
+    DeploymentEventRow,
+    DesiredStateRow,
+    Device,
+    DeviceLabel,
+    DeviceModelRow,
+    InferenceStatsRow,
+    Model,
+    ReportedStateRow,
+)
+
+SORTS = ("id", "status", "profile", "last_seen")
+"""What :func:`list_devices` orders by (then by id)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +85,10 @@ class DeviceFilter:
     group: str | None = None
     online: bool | None = None
     search: str | None = None
+    model: str | None = None
+    """Devices told to run this model, or reporting it."""
+    in_sync: bool | None = None
+    """True: every model of the device in sync (a device without models is); False: not."""
 
 
 def _view(device: Device, labels: Mapping[str, str]) -> DeviceView:
@@ -180,7 +219,7 @@ async def replace_labels(tx: Tx, device_id: str, labels: Mapping[str, str]) -> N
         )
 
 
-def _filtered(query: Select[Any], f: DeviceFilter) -> Select[Any]:
+def _filtered(query: Select[Any], f: DeviceFilter, dialect: str) -> Select[Any]:
     for key, value in (f.labels or {}).items():
         query = query.where(
             exists().where(
@@ -204,23 +243,128 @@ def _filtered(query: Select[Any], f: DeviceFilter) -> Select[Any]:
     if f.search:
         pattern = "%" + f.search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         query = query.where(Device.id.like(pattern, escape="\\"))
+    if f.model is not None:
+        r = _reported_models(dialect)
+        query = query.where(
+            or_(
+                exists().where(
+                    DeviceModelRow.device_id == Device.id, DeviceModelRow.model == f.model
+                ),
+                exists(r.query.where(r.name == f.model)),
+            )
+        )
+    if f.in_sync is not None:
+        out = _out_of_sync(dialect)
+        query = query.where(not_(out) if f.in_sync else out)
     return query
 
 
-async def list_devices(
-    tx: Tx, f: DeviceFilter, *, limit: int, offset: int
-) -> tuple[list[DeviceView], int]:
-    """One page of matching devices ordered by id, and the total number that match."""
-    total = (await tx.execute(_filtered(select(func.count()).select_from(Device), f))).scalar_one()
-    devices = list(
-        (
-            await tx.execute(
-                _filtered(select(Device), f).order_by(Device.id).limit(limit).offset(offset)
-            )
-        ).scalars()
+@dataclass(frozen=True)
+class _Reported:
+    """Each model of the reported state of the enclosing query's device (correlated on
+    ``devices.id``): ``query`` selects its rows, ``name`` and ``active`` are its fields."""
+
+    query: Select[Any]
+    name: ColumnElement[Any]
+    active: ColumnElement[Any]
+
+
+def _reported_models(dialect: str) -> _Reported:
+    rs = ReportedStateRow
+    if dialect == "sqlite":
+        each = func.json_each(rs.document, "$.models").table_valued("value", "type").alias("rm")
+        name: ColumnElement[Any] = func.json_extract(each.c.value, "$.name")
+        active: ColumnElement[Any] = func.json_extract(each.c.value, "$.active_version")
+        is_object: ColumnElement[bool] = and_(
+            func.json_type(rs.document, "$.models") == "array", each.c.type == "object"
+        )
+    else:
+        models = rs.document.op("->")("models")
+        array = case((func.json_typeof(models) == "array", models), else_=cast(literal("[]"), JSON))
+        each = func.json_array_elements(array).table_valued("value").alias("rm")
+        name = each.c.value.op("->>")("name")
+        active = each.c.value.op("->>")("active_version")
+        is_object = func.json_typeof(each.c.value) == "object"
+    query = (
+        select(literal(1))
+        .select_from(rs)
+        .join(each, true())
+        .where(rs.device_id == Device.id, is_object)
     )
-    labels = await _labels_of(tx, [d.id for d in devices])
-    return [_view(d, labels[d.id]) for d in devices], int(total)
+    return _Reported(query, name, active)
+
+
+def _out_of_sync(dialect: str) -> ColumnElement[bool]:
+    """The device of the enclosing query has a model that is not in sync: it was told to run
+    models and has not applied the newest document, or it does not report a desired model's
+    stable version active, or it reports a model it was not told to run."""
+    dm, ds, rs = DeviceModelRow, DesiredStateRow, ReportedStateRow
+    current = exists(
+        select(literal(1))
+        .select_from(ds)
+        .join(rs, rs.device_id == ds.device_id)
+        .where(ds.device_id == Device.id, rs.applied_seq >= ds.seq)
+    )
+    has_models = exists().where(dm.device_id == Device.id)
+    r = _reported_models(dialect)
+    runs_stable = exists(
+        r.query.where(r.name == dm.model, r.active == dm.stable_version)
+    ).correlate(Device, dm)
+    missing = exists(select(literal(1)).where(dm.device_id == Device.id, not_(runs_stable)))
+    undesired = exists(
+        r.query.where(
+            r.name.is_not(None),
+            not_(
+                exists().where(dm.device_id == Device.id, dm.model == r.name).correlate_except(dm)
+            ),
+        )
+    )
+    return or_(and_(has_models, not_(current)), missing, undesired)
+
+
+def _order(sort: str, descending: bool) -> list[Any]:
+    """ORDER BY of :func:`list_devices`: never-seen devices count as the longest unseen, and
+    devices without a profile come last either way; ties by id."""
+    if sort not in SORTS:
+        raise ValueError(f"cannot sort devices by {sort!r}; use one of {list(SORTS)}")
+    if sort == "id":
+        return [Device.id.desc() if descending else Device.id.asc()]
+    key: Any
+    if sort == "last_seen":
+        key = (
+            Device.last_seen_at.desc().nulls_last()
+            if descending
+            else Device.last_seen_at.asc().nulls_first()
+        )
+    else:
+        column = Device.status if sort == "status" else Device.profile
+        key = (column.desc() if descending else column.asc()).nulls_last()
+    return [key, Device.id.asc()]
+
+
+async def list_devices(
+    tx: Tx,
+    f: DeviceFilter,
+    *,
+    limit: int,
+    offset: int,
+    sort: str = "id",
+    descending: bool = False,
+) -> tuple[list[DeviceView], int]:
+    """One page of matching devices in ``sort`` order (one of :data:`SORTS`), and the total
+    number that match. The page's ids are chosen first and only those rows are read."""
+    dialect = tx.get_bind().dialect.name
+    total = (
+        await tx.execute(_filtered(select(func.count()).select_from(Device), f, dialect))
+    ).scalar_one()
+    order = _order(sort, descending)
+    page = _filtered(select(Device.id), f, dialect).order_by(*order).limit(limit).offset(offset)
+    ids = [i for (i,) in await tx.execute(page)]
+    if not ids:
+        return [], int(total)
+    rows = {d.id: d for d in (await tx.execute(select(Device).where(Device.id.in_(ids)))).scalars()}
+    labels = await _labels_of(tx, ids)
+    return [_view(rows[i], labels[i]) for i in ids if i in rows], int(total)
 
 
 async def count_by_status(tx: Tx) -> dict[str, int]:
@@ -231,3 +375,132 @@ async def count_by_status(tx: Tx) -> dict[str, int]:
 async def count_online(tx: Tx) -> int:
     query = select(func.count()).select_from(Device).where(Device.online.is_(True))
     return int((await tx.execute(query)).scalar_one())
+
+
+# ---------------------------------------------------------------------------- desired vs reported
+@dataclass(frozen=True)
+class ModelSync:
+    """One model of a device: the stable version it was told to run (None: not told, yet it
+    reports the model) against what it reports (``reported_version`` is its active version,
+    None when it reports none), and whether the two agree."""
+
+    model: str
+    desired_version: str | None
+    canary_version: str | None
+    reported_version: str | None
+    phase: str | None
+    in_sync: bool
+
+
+async def model_sync(tx: Tx, device_ids: Iterable[str]) -> dict[str, list[ModelSync]]:
+    """Every model of each device, desired ones first (by name), then those it reports without
+    being told to. Three queries whatever the number of devices."""
+    ids = list(dict.fromkeys(device_ids))
+    out: dict[str, list[ModelSync]] = {i: [] for i in ids}
+    if not ids:
+        return out
+    dm, ds, rs = DeviceModelRow, DesiredStateRow, ReportedStateRow
+    desired = await tx.execute(
+        select(dm.device_id, dm.model, dm.stable_version, dm.canary_version)
+        .where(dm.device_id.in_(ids))
+        .order_by(dm.device_id, dm.model)
+    )
+    documents = await tx.execute(select(ds.device_id, ds.seq).where(ds.device_id.in_(ids)))
+    seqs = {d: int(seq) for d, seq in documents}
+    reported: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
+    for device_id, applied, document in await tx.execute(
+        select(rs.device_id, rs.applied_seq, rs.document).where(rs.device_id.in_(ids))
+    ):
+        models = document.get("models") if isinstance(document, dict) else None
+        by_name = {
+            m["name"]: m
+            for m in (models if isinstance(models, list) else [])
+            if isinstance(m, dict) and isinstance(m.get("name"), str)
+        }
+        reported[device_id] = (int(applied), by_name)
+    told: dict[str, list[tuple[str, str, str | None]]] = {i: [] for i in ids}
+    for device_id, model, stable, canary in desired:
+        told[device_id].append((model, stable, canary))
+    for device_id in ids:
+        applied, by_name = reported.get(device_id, (None, {}))
+        by_name = dict(by_name)
+        seq = seqs.get(device_id)
+        current = seq is not None and applied is not None and applied >= seq
+        for model, stable, canary in told[device_id]:
+            status = by_name.pop(model, None)
+            active = _text(status, "active_version")
+            out[device_id].append(
+                ModelSync(model, stable, canary, active, _text(status, "phase"),
+                          current and active == stable)
+            )  # fmt: skip
+        out[device_id].extend(
+            ModelSync(
+                name, None, None, _text(status, "active_version"), _text(status, "phase"), False
+            )
+            for name, status in sorted(by_name.items())
+        )
+    return out
+
+
+def _text(status: Mapping[str, Any] | None, key: str) -> str | None:
+    value = status.get(key) if status is not None else None
+    return value if isinstance(value, str) else None
+
+
+# ---------------------------------------------------------------------------- a device's page
+async def recent_events(tx: Tx, device_id: str, limit: int) -> list[dict[str, Any]]:
+    """The ``limit`` newest deployment events of a device (its flight recorder), newest first."""
+    t = DeploymentEventRow.__table__
+    query = select(t).where(t.c.device_id == device_id).order_by(t.c.event_seq.desc()).limit(limit)
+    return [dict(r._mapping) for r in await tx.execute(query)]
+
+
+async def recent_inference(
+    tx: Tx, device_id: str, since: datetime, limit: int
+) -> list[dict[str, Any]]:
+    """A device's inference-statistics windows since ``since`` (the newest ``limit``), oldest
+    first: ``ts``, ``model``, ``version``, ``role``, ``count``, ``errors``, ``rejections``,
+    ``p95_ms``."""
+    t = InferenceStatsRow
+    query = (
+        select(t.ts, t.model, t.version, t.role, t.count, t.errors, t.rejections, t.p95_ms)
+        .where(t.device_id == device_id, t.ts >= since)
+        .order_by(t.ts.desc(), t.id.desc())
+        .limit(limit)
+    )
+    rows = [dict(r._mapping) for r in await tx.execute(query)]
+    rows.reverse()
+    return rows
+
+
+async def inference_models(tx: Tx, device_id: str, since: datetime) -> list[str]:
+    """The models a device sent inference statistics of since ``since``, by name."""
+    t = InferenceStatsRow
+    query = (
+        select(t.model).where(t.device_id == device_id, t.ts >= since).distinct().order_by(t.model)
+    )
+    return [m for (m,) in await tx.execute(query)]
+
+
+@dataclass(frozen=True)
+class FilterChoices:
+    """The values the device list's filters offer: every profile and group devices have, and
+    every published model name."""
+
+    profiles: list[str]
+    groups: list[str]
+    models: list[str]
+
+
+async def filter_choices(tx: Tx) -> FilterChoices:
+    async def distinct(column: Any) -> list[str]:
+        rows = await tx.execute(
+            select(column).where(column.is_not(None)).distinct().order_by(column)
+        )
+        return [v for (v,) in rows]
+
+    return FilterChoices(
+        profiles=await distinct(Device.profile),
+        groups=await distinct(Device.group_name),
+        models=[m for (m,) in await tx.execute(select(Model.name).order_by(Model.name))],
+    )
