@@ -9,7 +9,11 @@ one error style, one way to configure logging, options readable from the environ
   long-running command; :func:`setup_logging` applies them (JSON: one object per line with
   ``ts``, ``level``, ``logger``, ``message``).
 - Environment: :func:`env_options` gives every option that has no variable of its own the
-  variable ``MCP_<OPTION>`` (``--data-dir`` → ``MCP_DATA_DIR``) and shows it in ``--help``.
+  variable ``MCP_<OPTION>`` (``--data-dir`` → ``MCP_DATA_DIR``, from the option's longest
+  flag) and shows it in ``--help``; ``MCP_JSON=1`` turns on ``--json`` and with it the JSON
+  error.
+- :class:`StyledGroup`: a click group whose standalone ``main()`` (the console script's call,
+  and click's test runner's) goes through :func:`run`, so both see the same errors.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import click
 
@@ -28,7 +32,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-SKIP_ENV = frozenset({"help", "version"})
 
 
 class JsonFormatter(logging.Formatter):
@@ -84,10 +87,43 @@ def log_options(f: F) -> F:
 
 
 def env_name(option: click.Option, prefix: str = "MCP") -> str | None:
-    name = option.name
-    if not name or name in SKIP_ENV:
+    """``MCP_`` and the option's longest flag (``--json`` → ``MCP_JSON``, whatever the
+    parameter is called); None for options that pass no value (``--help``, ``--version``) and
+    those without a long flag."""
+    if not option.name or not option.expose_value:
         return None
-    return f"{prefix}_{name.upper()}"
+    flags = [f for f in option.opts if f.startswith("--")]
+    if not flags:
+        return None
+    flag = max(flags, key=len)[2:]
+    return f"{prefix}_{flag.replace('-', '_').upper()}"
+
+
+class _Json:
+    """Whether this run asked for JSON: ``--json`` on the command line or from ``MCP_JSON``
+    (set by the option's callback once click parsed it)."""
+
+    wanted = False
+
+
+def _note_json(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    if value:
+        _Json.wanted = True
+    return value
+
+
+def _noting_json(
+    callback: Callable[[click.Context, click.Parameter, Any], Any] | None,
+) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """``callback`` (if any) after :func:`_note_json`."""
+    if callback is None or callback is _note_json or getattr(callback, "notes_json", False):
+        return callback or _note_json
+
+    def both(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        return callback(ctx, param, _note_json(ctx, param, value))
+
+    both.notes_json = True  # type: ignore[attr-defined]
+    return both
 
 
 def env_options(command: click.Command, prefix: str = "MCP") -> None:
@@ -98,13 +134,11 @@ def env_options(command: click.Command, prefix: str = "MCP") -> None:
                 param.envvar = env_name(param, prefix)
             if param.envvar is not None:
                 param.show_envvar = True
+            if "--json" in param.opts:
+                param.callback = _noting_json(param.callback)
     if isinstance(command, click.Group):
         for sub in command.commands.values():
             env_options(sub, prefix)
-
-
-def _json_wanted(argv: Sequence[str]) -> bool:
-    return "--json" in argv
 
 
 def _fail(message: str, code: str, status: int, as_json: bool) -> NoReturn:
@@ -125,22 +159,60 @@ def run(
     """Run ``command`` as ``prog_name`` in the house error style; ``failures`` are exception
     types printed as one line (exit 1) rather than with a traceback."""
     args = list(sys.argv[1:] if argv is None else argv)
-    as_json = _json_wanted(args)
+    _Json.wanted = "--json" in args
+
+    def as_json() -> bool:
+        return _Json.wanted
+
     try:
-        command.main(args=args, prog_name=prog_name, standalone_mode=False)
+        # Outside standalone mode click answers ``ctx.exit(n)`` (and --help, --version) by
+        # returning n; a command that returns an int means the same.
+        result = command.main(args=args, prog_name=prog_name, standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
-        _fail("interrupted", "interrupted", 130, as_json)
+        _fail("interrupted", "interrupted", 130, as_json())
     except KeyboardInterrupt:
-        _fail("interrupted", "interrupted", 130, as_json)
+        _fail("interrupted", "interrupted", 130, as_json())
+    except click.exceptions.NoArgsIsHelpError as e:  # a group run without a command
+        click.echo(e.format_message(), err=True)
+        sys.exit(e.exit_code)
     except click.UsageError as e:
-        if not as_json and e.ctx is not None:
+        if not as_json() and e.ctx is not None:
             click.echo(e.ctx.get_usage(), err=True)
             click.echo(f"Try '{e.ctx.command_path} --help' for help.\n", err=True)
-        _fail(e.format_message(), "usage", 2, as_json)
+        _fail(e.format_message(), "usage", 2, as_json())
     except click.ClickException as e:
-        _fail(e.format_message(), str(getattr(e, "code", "failed")), e.exit_code, as_json)
+        code = getattr(e, "code", None) or "failed"
+        _fail(e.format_message(), str(code), e.exit_code, as_json())
     except failures as e:
-        _fail(str(e) or type(e).__name__, str(getattr(e, "code", None) or "failed"), 1, as_json)
-    sys.exit(0)
+        _fail(str(e) or type(e).__name__, str(getattr(e, "code", None) or "failed"), 1, as_json())
+    sys.exit(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+
+
+class StyledGroup(click.Group):
+    """A click group run in the house style: its standalone ``main()`` goes through
+    :func:`run` with the class's ``prog`` and ``failures``. A subclass sets them::
+
+        class Cli(StyledGroup):
+            prog = "mcp-controlplane"
+            failures = (McpError,)
+
+        @click.group(cls=Cli)
+        def main() -> None: ...
+    """
+
+    prog: ClassVar[str] = ""
+    failures: ClassVar[tuple[type[BaseException], ...]] = ()
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        run(self, prog_name or self.prog or self.name or "", failures=self.failures, argv=args)

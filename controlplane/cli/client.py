@@ -1,15 +1,19 @@
-"""The REST client behind ``mcp-controlplane users|tokens|devices|audit|login``.
+"""The REST client behind the ``mcp-controlplane`` commands that talk to a control plane.
 
-Every failure becomes a :class:`click.ClickException` whose message is the server's own error
-text (``{"error": ...}``) with the status, or says plainly that the server cannot be reached,
-so the CLI never prints a traceback for a usage or network problem.
+Every failure becomes an :class:`ApiCallError` (a :class:`click.ClickException`): an answer
+with an error status carries the server's own message with the status, and its ``code``
+(``not_found``, ``forbidden``, ...); a server that cannot be reached says which URL and what
+to check. So the CLI never prints a traceback for a usage or network problem, and under
+``--json`` the error object carries the API's code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -17,9 +21,123 @@ import aiohttp
 import click
 import orjson
 
+from mcp_edge.shared.cli_style import setup_logging
+
 DEFAULT_SERVER = "http://127.0.0.1:8080"
 TIMEOUT_S = 30.0
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
 F = TypeVar("F", bound=Callable[..., Any])
+_CHECK = "check that `mcp-controlplane serve` runs there and that --server (MCP_SERVER) names it"
+
+
+class ApiCallError(click.ClickException):
+    """A request that did not succeed. ``code`` is the API's error code (``not_found``, ...)
+    or ``unreachable`` / ``bad_answer`` / ``no_token``; ``status`` the HTTP status, if any."""
+
+    def __init__(self, message: str, *, code: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+def _unreachable(server: str, e: BaseException) -> ApiCallError:
+    """What to tell a user whose request never got an answer."""
+    if isinstance(e, asyncio.TimeoutError):
+        why = f"no answer within {TIMEOUT_S:.0f} s; {_CHECK}"
+    elif isinstance(e, aiohttp.InvalidURL):
+        return ApiCallError(
+            f"--server {server!r} is not a URL; give one like {DEFAULT_SERVER}", code="usage"
+        )
+    elif isinstance(e, aiohttp.ClientConnectorDNSError):
+        why = f"its host name does not resolve ({e.os_error}); check --server (MCP_SERVER)"
+    elif isinstance(e, (aiohttp.ClientConnectorCertificateError, aiohttp.ClientSSLError)):
+        why = f"the TLS handshake failed ({e}); check the server's certificate and the URL's scheme"
+    elif isinstance(e, aiohttp.ClientConnectorError):
+        refused = e.os_error.errno == errno.ECONNREFUSED
+        why = f"{'connection refused' if refused else e.os_error.strerror or e}; {_CHECK}"
+    elif isinstance(e, aiohttp.ServerDisconnectedError):
+        why = "it closed the connection without answering; is that a control plane?"
+    else:
+        why = f"{e or type(e).__name__}; {_CHECK}"
+    return ApiCallError(f"cannot reach {server}: {why}", code="unreachable")
+
+
+async def _read_capped(response: aiohttp.ClientResponse) -> bytes | None:
+    """The body, or None once it passes :data:`MAX_ANSWER_BYTES`."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_chunked(256 * 1024):
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class ApiSession:
+    """Requests to one control plane over one HTTP connection pool (see
+    :meth:`ApiClient.session`); :meth:`call` as :meth:`ApiClient.call`, awaited."""
+
+    def __init__(self, client: ApiClient, http: aiohttp.ClientSession) -> None:
+        self.client = client
+        self.http = http
+
+    async def call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Mapping[str, Any] | None = None,
+        params: Sequence[tuple[str, str]] | None = None,
+        auth: bool = True,
+    ) -> Any:
+        """Send one request and return the decoded JSON answer; raises :class:`ApiCallError`."""
+        server, token = self.client.server, self.client.token
+        if auth and not token:
+            raise ApiCallError(
+                "no API token: pass --token or set MCP_TOKEN (from `mcp-controlplane init` "
+                "or `mcp-controlplane login`)",
+                code="no_token",
+            )
+        headers = {"Accept": "application/json"}
+        if auth and token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = orjson.dumps(body) if body is not None else None
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self.http.request(
+                method, server + path, data=data, params=list(params or []), headers=headers
+            ) as response:
+                status = response.status
+                raw = await _read_capped(response)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise _unreachable(server, e) from e
+        if raw is None:
+            raise ApiCallError(
+                f"{method} {path}: the answer is over {MAX_ANSWER_BYTES} bytes; refused",
+                code="bad_answer",
+                status=status,
+            )
+        try:
+            answer = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError as e:
+            raise ApiCallError(
+                f"{method} {path}: HTTP {status}, and the answer is not JSON "
+                f"(is {server} a control plane?)",
+                code="bad_answer",
+                status=status,
+            ) from e
+        if status >= 400:
+            error = answer if isinstance(answer, dict) else {}
+            message, code = error.get("error"), error.get("code")
+            raise ApiCallError(
+                f"{message if isinstance(message, str) and message else 'request failed'} "
+                f"(HTTP {status})",
+                code=code if isinstance(code, str) and code else f"http_{status}",
+                status=status,
+            )
+        return answer
 
 
 class ApiClient:
@@ -28,6 +146,13 @@ class ApiClient:
     def __init__(self, server: str, token: str | None) -> None:
         self.server = server.rstrip("/")
         self.token = token
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[ApiSession]:
+        """One HTTP connection pool for many requests (each times out after ``TIMEOUT_S``)."""
+        timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            yield ApiSession(self, http)
 
     def call(
         self,
@@ -38,54 +163,21 @@ class ApiClient:
         params: Sequence[tuple[str, str]] | None = None,
         auth: bool = True,
     ) -> Any:
-        """Send one request and return the decoded JSON answer; raises ClickException."""
-        if auth and not self.token:
-            raise click.ClickException(
-                "no API token: pass --token or set MCP_TOKEN (from `mcp-controlplane init` "
-                "or `mcp-controlplane login`)"
-            )
-        return asyncio.run(self._call(method, path, body, params, auth))
+        """Send one request and return the decoded JSON answer; raises :class:`ApiCallError`."""
 
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        body: Mapping[str, Any] | None,
-        params: Sequence[tuple[str, str]] | None,
-        auth: bool,
-    ) -> Any:
-        headers = {"Accept": "application/json"}
-        if auth and self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        url = self.server + path
-        data = orjson.dumps(body) if body is not None else None
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
-        try:
-            async with (
-                aiohttp.ClientSession(timeout=timeout) as session,
-                session.request(
-                    method, url, data=data, params=list(params or []), headers=headers
-                ) as response,
-            ):
-                raw = await response.read()
-                status = response.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise click.ClickException(
-                f"cannot reach {self.server}: {e or type(e).__name__}"
-            ) from e
-        try:
-            answer = orjson.loads(raw) if raw else None
-        except orjson.JSONDecodeError as e:
-            raise click.ClickException(
-                f"{method} {path}: HTTP {status}, and the answer is not JSON "
-                f"(is {self.server} a control plane?)"
-            ) from e
-        if status >= 400:
-            message = answer.get("error") if isinstance(answer, dict) else None
-            raise click.ClickException(f"{message or 'request failed'} (HTTP {status})")
-        return answer
+        async def once() -> Any:
+            async with self.session() as session:
+                return await session.call(method, path, body=body, params=params, auth=auth)
+
+        return asyncio.run(once())
+
+
+def configure_logging(log_level: str, log_format: str) -> None:
+    """Apply ``--log-level`` / ``--log-format`` of a long-running command; the group's
+    ``-v`` (debug) wins over the level."""
+    root = click.get_current_context().find_root()
+    verbose = bool(root.params.get("verbose"))
+    setup_logging("debug" if verbose else log_level.lower(), log_format)
 
 
 def api_options(func: F) -> F:

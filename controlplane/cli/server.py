@@ -3,7 +3,11 @@
     mcp-controlplane init  --data-dir D [--database-url URL] [--admin-user U --admin-password-file F]
                            [--broker-url URL] [--broker-admin-url mqtt://H:P
                             --broker-admin-user U --broker-admin-password-file F]
-    mcp-controlplane serve --data-dir D [--listen HOST:PORT]
+    mcp-controlplane serve --data-dir D [--listen HOST:PORT] [--log-level L] [--log-format text|json]
+
+``init`` needs the first admin's password when it creates one: from ``--admin-password-file``
+(``MCP_ADMIN_PASSWORD_FILE``), ``MCP_ADMIN_PASSWORD``, or a prompt on a terminal; without any
+of them it stops before it writes anything.
 
 With a broker admin configured, ``serve`` logs in to Mosquitto's dynamic-security plugin,
 gives enrolled devices real per-device credentials, provisions its own service accounts
@@ -12,7 +16,8 @@ without one, enrollment can accept devices but not give them MQTT credentials, a
 ingestion.
 
 Flags, environment (``MCP_DATA_DIR``, ``MCP_DATABASE_URL``, ``MCP_LISTEN``,
-``MCP_BROKER_URLS``) and ``<data dir>/controlplane.toml`` become one
+``MCP_BROKER_URLS``, and ``MCP_<OPTION>`` for every other flag) and
+``<data dir>/controlplane.toml`` become one
 :class:`~controlplane.settings.Settings` here (:func:`controlplane.cli.datadir.cli_settings`),
 and nothing below reads them again.
 """
@@ -21,18 +26,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from mcp_edge.controlplane import __version__
+from mcp_edge.controlplane.cli.client import configure_logging
 from mcp_edge.controlplane.cli.datadir import cli_settings, data_dir_option
-from mcp_edge.controlplane.settings import EnrollmentApproval, Settings, SettingsError
+from mcp_edge.controlplane.settings import (
+    SQLITE_FILE,
+    EnrollmentApproval,
+    Settings,
+    SettingsError,
+)
+from mcp_edge.shared.cli_style import log_options
 from mcp_edge.shared.errors import McpError
 
 _DATA_DIR_HELP = "Where the database, config and keys live."
+PASSWORD_ENV = "MCP_ADMIN_PASSWORD"
 
 
 def install_event_loop() -> str:
@@ -51,7 +67,11 @@ def install_event_loop() -> str:
 @click.option("--database-url", help="postgresql://USER@HOST/DB (default: SQLite in the data dir).")
 @click.option("--listen", help="HOST:PORT for serve (default 127.0.0.1:8080).")
 @click.option(
-    "--broker-url", "broker_urls", multiple=True, help="MQTT URL given to devices; repeatable."
+    "--broker-url",
+    "broker_urls",
+    multiple=True,
+    envvar="MCP_BROKER_URLS",
+    help="MQTT URL given to devices; repeatable (the variable: comma-separated).",
 )
 @click.option(
     "--approval",
@@ -62,7 +82,8 @@ def install_event_loop() -> str:
 @click.option(
     "--admin-password-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="Read the admin password from this file (else prompt).",
+    help=f"Read the first admin's password from this file (else ${PASSWORD_ENV}, else a "
+    "prompt on a terminal).",
 )
 @click.option(
     "--broker-admin-url",
@@ -115,25 +136,25 @@ def init(
             settings.broker_admin_password()  # fail now, not at the first serve
         except SettingsError as e:
             raise click.ClickException(str(e)) from e
-
-    def password() -> str:
-        if admin_password_file is not None:
-            return admin_password_file.read_text(encoding="utf-8").rstrip("\r\n")
-        if not sys.stdin.isatty():
-            raise click.ClickException("no --admin-password-file and stdin is not a terminal")
-        return str(click.prompt("Admin password", hide_input=True, confirmation_prompt=True))
-
+    password = _admin_password(admin_password_file)
+    if password is None:
+        if asyncio.run(_admin_needed(settings, admin_user)):
+            raise click.ClickException(_no_password(settings))
+        password = _refuse_password(settings)
+    # Flags given on this command line rewrite controlplane.toml; values from the environment
+    # alone are written only into a new one (settings read the environment on every start).
+    ctx = click.get_current_context()
     explicit = any(
-        v
-        for v in (
-            database_url,
-            listen,
-            broker_urls,
-            approval,
-            broker_admin_url,
-            broker_admin_user,
-            broker_admin_password_file,
-            telemetry_retention_days,
+        ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+        for name in (
+            "database_url",
+            "listen",
+            "broker_urls",
+            "approval",
+            "broker_admin_url",
+            "broker_admin_user",
+            "broker_admin_password_file",
+            "telemetry_retention_days",
         )
     )
     try:
@@ -159,6 +180,66 @@ def init(
     click.echo(result.api_token)
 
 
+def _admin_password(path: Path | None) -> Callable[[], str] | None:
+    """Where the first admin's password comes from: the file (read now, so a missing one
+    fails before anything is written), ``MCP_ADMIN_PASSWORD``, or a prompt on a terminal
+    (asked only when an admin is created); None when there is no source."""
+    if path is not None:
+        try:
+            text = path.read_text(encoding="utf-8").rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.ClickException(f"cannot read --admin-password-file {path}: {e}") from e
+        return lambda: text
+    from_env = os.environ.get(PASSWORD_ENV)
+    if from_env:
+        return lambda: from_env
+    if sys.stdin.isatty():
+        return lambda: str(
+            click.prompt("Admin password", hide_input=True, confirmation_prompt=True)
+        )
+    return None
+
+
+def _no_password(settings: Settings) -> str:
+    return (
+        "init creates the first admin and needs its password: give --admin-password-file "
+        f"FILE (or MCP_ADMIN_PASSWORD_FILE=FILE), set {PASSWORD_ENV}, or run init on a "
+        f"terminal to be asked; nothing was written to {settings.data_dir}"
+    )
+
+
+def _refuse_password(settings: Settings) -> Callable[[], str]:
+    """The password source when there is none and no admin should be needed: asked anyway
+    (the last user was removed meanwhile), it fails as a missing source does."""
+
+    def refuse() -> str:
+        raise click.ClickException(_no_password(settings))
+
+    return refuse
+
+
+async def _admin_needed(settings: Settings, admin_user: str | None) -> bool:
+    """Whether ``init`` would create an admin: one is named, or the database has no user
+    (an absent SQLite file or an empty database has none). Reads only; raises the database's
+    errors (an unreachable PostgreSQL)."""
+    if admin_user is not None:
+        return True
+    if not settings.database_url and not (settings.data_dir / SQLITE_FILE).is_file():
+        return True
+    from mcp_edge.controlplane.db import Database
+    from mcp_edge.controlplane.db import users as user_q
+    from mcp_edge.controlplane.db.migrate import current_revision
+
+    db = Database(settings.effective_database_url)
+    try:
+        if await current_revision(db) is None:
+            return True
+        async with db.read() as tx:
+            return await user_q.count_users(tx) == 0
+    finally:
+        await db.dispose()
+
+
 def _init_repository(settings: Settings) -> None:
     """Create the TUF repository and its keys in the data dir when they are missing."""
     from mcp_edge.controlplane.repository.service import repository_for, repository_lock
@@ -177,10 +258,18 @@ def _init_repository(settings: Settings) -> None:
 @click.command()
 @data_dir_option(_DATA_DIR_HELP)
 @click.option("--database-url", help="Overrides the data dir's config.")
-@click.option("--listen", help="HOST:PORT (port 0 picks a free one).")
-def serve(data_dir: Path | None, database_url: str | None, listen: str | None) -> None:
+@click.option("--listen", help="HOST:PORT (default 127.0.0.1:8080; port 0 picks a free one).")
+@log_options
+def serve(
+    data_dir: Path | None,
+    database_url: str | None,
+    listen: str | None,
+    log_level: str,
+    log_format: str,
+) -> None:
     """Run the control plane: migrate the database, then serve REST, /metrics, /healthz, and
     (with a broker admin configured) per-device broker accounts and telemetry ingestion."""
+    configure_logging(log_level, log_format)
     settings = cli_settings(data_dir, database_url=database_url, listen=listen)
     if not settings.data_dir.is_dir():
         raise click.ClickException(
