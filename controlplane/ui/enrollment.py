@@ -70,16 +70,18 @@ FORM_ERRORS = (ApiError, UiError, ProtocolError)
 # ---------------------------------------------------------------------------- inputs
 def parse_label_lines(text: str) -> dict[str, str]:
     """Labels typed one ``key=value`` per line (blank lines skipped); the schema checks keys
-    and values. Raises :class:`UiError` for a line without ``=``."""
+    and values. Raises :class:`UiError` for a line without ``=`` or a key given twice."""
     labels: dict[str, str] = {}
-    for line in text.splitlines():
-        item = line.strip()
-        if not item:
+    for number, line in enumerate(text.splitlines(), 1):
+        key, sep, value = line.strip().partition("=")
+        key = key.strip()
+        if not line.strip():
             continue
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise UiError(f"label {item[:80]!r} must be key=value, one per line")
-        labels[key.strip()] = value.strip()
+        if not sep or not key:
+            raise UiError(f"labels, line {number}: {line.strip()[:60]!r} is not key=value")
+        if key in labels:
+            raise UiError(f"labels, line {number}: {key[:63]!r} is given twice")
+        labels[key] = value.strip()
     return labels
 
 

@@ -38,9 +38,10 @@ from mcp_edge.controlplane.db.models import (
     ReportedStateRow,
 )
 from mcp_edge.controlplane.enrollment import DeviceStatus
-from mcp_edge.controlplane.rollouts.model import DevicePhase
+from mcp_edge.controlplane.rollouts.model import DevicePhase, RolloutStatus
 from mcp_edge.controlplane.rollouts.service import RolloutDetail
 from mcp_edge.controlplane.ui.core import Ctx, Page
+from mcp_edge.controlplane.ui.rollouts import DONE_PHASES, STATUS_BADGE, status_text
 
 ACCEPTED = DeviceStatus.ACCEPTED.value
 TOP_LABELS = 20
@@ -99,14 +100,17 @@ class Failure:
 
 @dataclass(frozen=True)
 class RolloutProgress:
+    """An active rollout as the overview lists it; ``done`` counts the devices the rollouts
+    page counts as done (:data:`controlplane.ui.rollouts.DONE_PHASES`)."""
+
     id: int
     model: str
     version: str
-    status: str
-    stage: int
-    stages: int
+    status_text: str
+    badge: str
+    stage: str
     target_devices: int
-    active: int
+    done: int
     failed: int
     reason: str
 
@@ -199,16 +203,16 @@ async def recent_failures(tx: Tx, limit: int = RECENT) -> list[Failure]:
 
 
 def rollout_progress(d: RolloutDetail) -> RolloutProgress:
-    r = d.rollout
+    r, stages = d.rollout, len(d.spec.stages)
     return RolloutProgress(
         id=r.id,
         model=r.model,
         version=r.version,
-        status=r.status,
-        stage=r.stage,
-        stages=len(d.spec.stages),
+        status_text=status_text(r.status),
+        badge=STATUS_BADGE[RolloutStatus(r.status)],
+        stage=f"{min(r.stage, stages - 1) + 1} of {stages}",
         target_devices=r.target_devices,
-        active=d.phases.get(DevicePhase.ACTIVE.value, 0),
+        done=sum(n for phase, n in d.phases.items() if DevicePhase(phase) in DONE_PHASES),
         failed=d.phases.get(DevicePhase.FAILED.value, 0),
         reason=d.state.reason,
     )

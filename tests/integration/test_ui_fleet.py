@@ -15,18 +15,20 @@ from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import pytest
 from aiohttp import web
 
 from mcp_edge.controlplane.api.common import SERVICES
-from mcp_edge.controlplane.db import Database
+from mcp_edge.controlplane.db import Database, registry
 from mcp_edge.controlplane.db import drift as drift_q
 from mcp_edge.controlplane.db import telemetry as telemetry_q
 from mcp_edge.controlplane.settings import EnrollmentApproval
 from mcp_edge.shared.bundle import build_bundle, sign_bundle
 from mcp_edge.shared.signing import PrivateKey
+from mcp_edge.shared.version import SemVer
 from mcp_edge.tooling.models import DigitsModels
 from tests.integration.test_deployments import publish_versions
 from tests.support.console import Console, ConsolePlane, Page, console_plane, user_console
@@ -84,7 +86,9 @@ def assert_escaped(page: Page) -> None:
 
 
 # ---------------------------------------------------------------------------- overview
-async def report_running(db: Database, cp: ControlPlane, device_id: str, **status: Any) -> None:
+async def report_running(
+    db: Database, cp: ControlPlane, device_id: str, model: str = "digits", **status: Any
+) -> None:
     """The device's retained reported state, as ingestion stores it."""
     now = cp.clock()
     document = {
@@ -92,7 +96,7 @@ async def report_running(db: Database, cp: ControlPlane, device_id: str, **statu
         "ts": now.timestamp(),
         "applied_seq": 1,
         "profile": "generic-x86_64",
-        "models": [{"name": "digits", "phase": "active", **status}],
+        "models": [{"name": model, "phase": "active", **status}],
     }
     async with db.transaction() as tx:
         await telemetry_q.upsert_reported(
@@ -197,7 +201,7 @@ async def test_overview_counts_breakdowns_versions_rollouts_failures_triggers(
 
     rollouts = section(page, "active-rollouts")
     assert f'href="/ui/rollouts/{rollout_id}"' in rollouts and "<progress" in rollouts
-    assert "digits 1.1.0" in rollouts and "of 3 devices" in rollouts
+    assert "digits 1.1.0" in rollouts and "of 3 devices done" in rollouts
 
     failures = section(page, "recent-failures")
     assert "cam-2" in failures and "warmup" in failures and "Gather index out of range" in failures
@@ -275,7 +279,8 @@ async def test_a_token_form_with_mistakes_says_what_is_wrong(plane: ConsolePlane
     admin = plane.admin
     await admin.get("/ui/enrollment")
     for changes, message in (
-        ({"labels": "site"}, "must be key=value"),
+        ({"labels": "site"}, "is not key=value"),
+        ({"labels": "site=a\nsite=b"}, "'site' is given twice"),
         ({"labels": "Bad Key=1"}, "label key"),
         ({"max_uses": "0"}, "max_uses"),
         ({"expires_in_s": "5"}, "expires_in_s"),
@@ -446,6 +451,38 @@ async def test_models_pages_show_versions_manifest_and_baseline(
     ):
         missing = await admin.get(path)
         assert missing.status == 404 and message in html.unescape(missing.text)
+
+
+async def test_names_stored_by_any_path_render_as_text(plane: ConsolePlane) -> None:
+    """Model, version, variant and publisher names the REST API refuses, written straight to
+    the database (by an older release, by another tool), still render as text."""
+    cp, db = plane.cp, db_of(plane.cp)
+    name = "<img src=x onerror=alert(1)>"
+    key = PrivateKey.generate().public_key
+    variant = {"name": SCRIPT, "file": "m.onnx", "sha256": "0" * 64, "size": 1, "profiles": []}
+    async with db.transaction() as tx:
+        await registry.add_publisher(
+            tx, keyid=key.keyid, public_key=key.raw.hex(), name=SCRIPT, now=cp.clock()
+        )
+        await registry.insert_version(
+            tx, model=name, version="1.0.0", version_numeric=SemVer.parse("1.0.0").to_numeric(),
+            target_path=f"{name}/1.0.0/{name}-1.0.0.mcpb", sha256="0" * 64, length=10,
+            format="onnx", profiles=[SCRIPT], variants=[variant], publisher_keyid=key.keyid,
+            uploaded_by=SCRIPT, now=cp.clock(),
+        )  # fmt: skip
+    token = (await cp.new_token())["token"]
+    assert await enroll(cp, token, "cam-1") == "accepted"
+    await report_running(db, cp, "cam-1", model=name, active_version=SCRIPT)
+
+    shown = html.escape(name, quote=False)
+    for path in ("/ui/models", f"/ui/models/{quote(name)}", f"/ui/models/{quote(name)}/1.0.0"):
+        page = await plane.admin.get(path)
+        assert page.status == 200, path
+        assert name not in page.text and shown in page.text, path
+        assert_escaped(page)
+    overview = await plane.admin.get("/ui/")
+    assert name not in overview.text and shown in overview.text
+    assert_escaped(overview)
 
 
 # ---------------------------------------------------------------------------- roles and CSRF
