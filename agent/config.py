@@ -89,7 +89,8 @@ def _value(
     """One value of the file, checked as the option checks its own; paths made absolute."""
     fits, wanted = _expected(param)
     if not fits(raw):
-        raise ConfigError(f"{where}: {key}: expected {wanted}, got {_toml_type(raw)} ({raw!r})")
+        shown = "" if isinstance(raw, list | dict) else f" ({repr(raw)[:60]})"
+        raise ConfigError(f"{where}: {key}: expected {wanted}, got {_toml_type(raw)}{shown}")
     if isinstance(param.type, click.Path) and isinstance(raw, str):
         raw = str(base / Path(raw).expanduser())
     try:

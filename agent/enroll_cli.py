@@ -30,15 +30,17 @@ def server_url(ctx: click.Context | None, param: click.Parameter | None, value: 
     if "://" not in value:
         raise click.BadParameter(
             f"{value!r} has no scheme; add one: http://{value} or https://{value}",
-            param_hint="'--server'",
+            ctx,
+            param,
         )
     if parts.scheme not in ("http", "https"):
         raise click.BadParameter(
             f"{value!r}: the scheme must be http:// or https://, not {parts.scheme}://",
-            param_hint="'--server'",
+            ctx,
+            param,
         )
     if not parts.hostname:
-        raise click.BadParameter(f"{value!r} names no host", param_hint="'--server'")
+        raise click.BadParameter(f"{value!r} names no host", ctx, param)
     return value
 
 

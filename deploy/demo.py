@@ -15,9 +15,11 @@ and the exit status is 1, with a message naming what did not happen, when one fa
 from __future__ import annotations
 
 import argparse
+import http.cookiejar
 import json
 import os
 import pwd
+import re
 import secrets
 import shlex
 import shutil
@@ -26,6 +28,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,7 +67,11 @@ class DemoError(Exception):
 
 
 class Stop(Exception):
-    """SIGTERM or SIGHUP arrived."""
+    """SIGTERM or SIGHUP arrived; ``signum`` is which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @dataclass
@@ -76,15 +85,6 @@ class Service:
 
 def say(text: str) -> None:
     print(text, flush=True)
-
-
-def _short(arg: str) -> str:
-    """A path argument relative to the current directory when it lies below it."""
-    prefix, path = ("@", arg[1:]) if arg.startswith("@/") else ("", arg)
-    if not path.startswith("/"):
-        return arg
-    relative = os.path.relpath(path)
-    return prefix + (path if relative.startswith("..") else relative)
 
 
 class Demo:
@@ -102,6 +102,9 @@ class Demo:
         self.agent_ports: dict[str, int] = {}
         self.samples: dict[str, Any] = {}
         self.step_no = 0
+        self.admin_password = work / "admin.password"
+        self.token_file = work / "api-token"
+        self.started = time.monotonic()
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -110,7 +113,7 @@ class Demo:
         say(f"\n[{self.step_no}] {text}")
 
     def _show(self, tool: str, args: Sequence[str]) -> None:
-        say("    $ " + shlex.join([tool, *(_short(a) for a in args)]))
+        say("    $ " + shlex.join([tool, *args]))
 
     def cli(
         self,
@@ -255,7 +258,9 @@ class Demo:
     def broker(self) -> None:
         broker_dir = self.work / "broker"
         self.step("Create the broker's dynamic-security file: one admin account, default deny")
-        self._show("bash", ["deploy/mosquitto/bootstrap.sh", "--data-dir", str(broker_dir)])
+        self._show(
+            "bash", [str(REPO / "deploy/mosquitto/bootstrap.sh"), "--data-dir", str(broker_dir)]
+        )
         done = subprocess.run(
             ["bash", str(REPO / "deploy/mosquitto/bootstrap.sh"), "--data-dir", str(broker_dir)],
             capture_output=True,
@@ -302,7 +307,7 @@ class Demo:
 
     def control_plane(self) -> None:
         data = self.work / "cp"
-        admin_pw = self.work / "admin.password"
+        admin_pw = self.admin_password
         admin_pw.write_text(secrets.token_urlsafe(18) + "\n")
         admin_pw.chmod(0o600)
         port = free_port_below_ephemeral(HOST)
@@ -329,7 +334,7 @@ class Demo:
             str(admin_pw),
         )
         self.token = out.strip().splitlines()[-1]
-        token_file = self.work / "api-token"
+        token_file = self.token_file
         token_file.write_text(self.token + "\n")
         token_file.chmod(0o600)
         self.cp_url = f"http://{HOST}:{port}"
@@ -346,7 +351,7 @@ class Demo:
             "triggers go to the training pipeline's webhook ([[webhooks]])"
         )
         say(
-            f"    admin API token saved in {_short(str(token_file))}; the commands below "
+            f"    admin API token saved in {token_file}; the commands below "
             f"read it from MCP_TOKEN and the server from MCP_SERVER={self.cp_url}"
         )
         self.step(f"Serve the control plane on {self.cp_url}")
@@ -368,6 +373,41 @@ class Demo:
             60,
             self.logs / "controlplane.log",
         )
+        self.console()
+
+    def console(self) -> None:
+        """Sign in to the web console as the admin, as a person would in a browser."""
+        url = f"{self.cp_url}/ui/"
+        self.step(
+            f"The web console at {url}: sign in as admin with the password in {self.admin_password}"
+        )
+        opener = urllib.request.build_opener(
+            urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar())
+        )
+        try:
+            with opener.open(f"{self.cp_url}/ui/login", timeout=10) as page:
+                form = page.read(1 << 20).decode("utf-8", "replace")
+            found = re.search(r'name="csrf" value="([^"]+)"', form)
+            self.check(found is not None, f"no sign-in form at {self.cp_url}/ui/login")
+            assert found is not None
+            fields = {
+                "username": "admin",
+                "password": self.admin_password.read_text().strip(),
+                "csrf": found[1],
+            }
+            body = urllib.parse.urlencode(fields).encode()
+            with opener.open(f"{self.cp_url}/ui/login", data=body, timeout=10) as landed:
+                where, status = landed.geturl(), landed.status
+        except urllib.error.HTTPError as e:
+            raise DemoError(
+                f"signing in to the console answered HTTP {e.code}; "
+                f"read {self.logs / 'controlplane.log'}"
+            ) from e
+        self.check(
+            status == 200 and where == url,
+            f"signing in to the console ended at {where} (HTTP {status}), not {url}",
+        )
+        say(f"    signed in as admin: {url} answers with the console's overview")
 
     def pipeline(self) -> None:
         """Start the stand-in for the ML team's training pipeline: a webhook receiver."""
@@ -400,13 +440,13 @@ class Demo:
         for version, hidden in VERSIONS.items():
             onnx = models / f"digits-{version}.onnx"
             if onnx.exists() and (models / "inverted.npy").exists():
-                say(f"    {version}: reusing {_short(str(onnx))}")
+                say(f"    {version}: reusing {onnx}")
                 continue
             mlp = train_digits_mlp(seed=0, hidden_units=hidden)
             write_digits_onnx(mlp.model, onnx)
             say(
                 f"    {version}: MLP with {hidden} hidden units, held-out accuracy "
-                f"{mlp.accuracy:.3f} -> {_short(str(onnx))}"
+                f"{mlp.accuracy:.3f} -> {onnx}"
             )
             (models / "samples.json").write_text(
                 json.dumps(
@@ -773,7 +813,7 @@ class Demo:
             self.logs / "pipeline.log",
         )
         event = json.loads(self._pipeline_events().splitlines()[-1])
-        say(f"    {_short(str(self.hook_events))}: {event['event']} delivery {event['delivery']}")
+        say(f"    {self.hook_events}: {event['event']} delivery {event['delivery']}")
         self.step(f"Collect trigger {trigger_id}'s hard examples and download them as a dataset")
         out = self.cli("mcp-controlplane", "drift", "examples", "collect", trigger_id)
         say("    " + out.strip().replace("\n", "\n    "))
@@ -808,28 +848,31 @@ class Demo:
     def summary(self) -> None:
         ports = self.agent_ports
         pids = {s.name: s.process.pid for s in self.services}
+        request = self.work / "model/request.json"
+        cam2 = f"http://{HOST}:{ports['cam-2']}"
         say(f"""
-The fleet is running. Logs: {_short(str(self.logs))}/
-  control plane  {self.cp_url}   (admin API token: {self.token})
+The fleet is running ({_took(self.started)} to set up). Logs: {self.logs}/
+  control plane  {self.cp_url}   (admin API token in {self.token_file})
+  web console    {self.cp_url}/ui/   (user admin, password in {self.admin_password})
   broker         mqtt://{HOST}:{self.broker_port}
   cam-1          http://{HOST}:{ports["cam-1"]}   ({MODEL} 1.2.0, pid {pids["cam-1"]})
-  cam-2          http://{HOST}:{ports["cam-2"]}   ({MODEL} 1.2.0, pid {pids["cam-2"]})
+  cam-2          {cam2}   ({MODEL} 1.2.0, pid {pids["cam-2"]})
 
-Try, in another terminal:
-  export PATH={self.bin}:$PATH MCP_SERVER={self.cp_url} MCP_TOKEN={self.token}
-  curl -s -H "Authorization: Bearer $MCP_TOKEN" $MCP_SERVER/api/v1/devices
-  curl -s -H "Authorization: Bearer $MCP_TOKEN" $MCP_SERVER/api/v1/devices/cam-1/models
-  curl -s -H "Authorization: Bearer $MCP_TOKEN" $MCP_SERVER/api/v1/models/{MODEL}
-  curl -s -H 'Content-Type: application/json' \\
-    -d @{_short(str(self.work / "model/request.json"))} \\
-    http://{HOST}:{ports["cam-2"]}/v2/models/{MODEL}/infer
-  mcp-controlplane rollouts list
-  mcp-controlplane drift triggers list
-  mcp-controlplane drift show {MODEL} --device cam-1
-  mcp-controlplane rollouts history 1
-  mcp-controlplane rollouts rollback 1 --reason "try it"       # both go back where they were
+Try, in another terminal (from any directory):
+  export PATH={self.bin}:$PATH MCP_SERVER={self.cp_url} MCP_TOKEN=$(cat {self.token_file})
+  mcp-controlplane devices list
+  mcp-controlplane desired models cam-1                        # desired vs reported
+  curl -s -H 'Content-Type: application/json' -d @{request} {cam2}/v2/models/{MODEL}/infer
+  mcp-controlplane rollouts history 1                          # every decision and who made it
+  mcp-controlplane rollouts rollback 1 --reason "try it"       # both go back to 1.1.0 and 1.0.0
+  mcp-controlplane deploy {MODEL} 1.0.0 --device cam-1          # refused: a downgrade
   mcp-controlplane deploy {MODEL} 1.0.0 --device cam-1 --rollback
-  mcp-agent updates --state-dir {_short(str(self.work / "agents/cam-1"))}
+  mcp-agent updates --state-dir {self.work / "agents/cam-1"}   # what the device has on disk
+  mcp-controlplane desired show cam-1                          # the signed desired state
+  mcp-controlplane audit                                       # who did what
+  mcp-controlplane drift triggers list
+  mcp-controlplane drift show {MODEL} --device cam-1            # cam-1's drift reports
+  mcp-controlplane drift triggers ack 1 --note "retraining"    # acknowledge the trigger
 """)
 
     def watch(self) -> None:
@@ -880,6 +923,12 @@ Try, in another terminal:
         self.drift()
 
 
+def _took(since: float) -> str:
+    """The time since the monotonic clock read ``since``, as ``3 min 5 s``."""
+    seconds = round(time.monotonic() - since)
+    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
+
+
 def _prepare_work_dir(work: Path, keep: bool) -> None:
     """Wipe `work` (only one this script made, or an empty one) unless `keep`.
 
@@ -923,7 +972,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     work = args.work_dir.resolve()
 
     def stop_request(signum: int, _frame: object) -> None:
-        raise Stop(signal.Signals(signum).name)
+        raise Stop(signum)
 
     # A shell starts background jobs with SIGINT ignored; Ctrl-C must still stop the demo.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -937,7 +986,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         demo = Demo(work)
         demo.run()
         if args.smoke:
-            say("\ndemo: every step worked")
+            say(f"\ndemo: every step worked ({_took(demo.started)})")
         else:
             demo.summary()
             say("Press Ctrl-C to stop everything.")
@@ -945,9 +994,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DemoError, MosquittoError) as e:
         say(f"\ndemo: FAILED: {e}")
         status = 1
-    except (KeyboardInterrupt, Stop):
-        say("\ndemo: stopping" + (" before every step ran" if args.smoke else ""))
-        status = 1 if args.smoke else 0
+    except KeyboardInterrupt:
+        say("\ndemo: interrupted; stopping everything")
+        status = 130
+    except Stop as e:
+        say(f"\ndemo: {e}; stopping everything")
+        status = 128 + e.signum
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut shutdown short
         if demo is not None:

@@ -194,8 +194,8 @@ async def run_server(
         try:
             await site.start()
         except OSError as e:
-            where = f"{config.host}:{config.port}"
-            raise ListenError(f"cannot listen on {where}: {e.strerror or e}") from e
+            reason = os.strerror(e.errno) if e.errno else str(e)
+            raise ListenError(f"cannot listen on {config.host}:{config.port}: {reason}") from e
         for name in manager.names():
             lv = manager.get(name)
             log.info("serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider)
