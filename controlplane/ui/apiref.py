@@ -187,8 +187,14 @@ def notes_of(schema: Any) -> Markup:
 
 
 # ---------------------------------------------------------------------------- the document
+def _mapping(value: Any) -> Mapping[str, Any]:
+    """``value`` when it is a JSON object, else an empty one (a document that leaves a part
+    out, or has the wrong type there, renders without it)."""
+    return value if isinstance(value, Mapping) else {}
+
+
 def _param(raw: Mapping[str, Any]) -> Param:
-    schema = raw.get("schema") if isinstance(raw.get("schema"), Mapping) else {}
+    schema = _mapping(raw.get("schema"))
     plain = _plain(schema)
     choices: tuple[str, ...] = ()
     if isinstance(plain.get("enum"), list):
@@ -215,11 +221,12 @@ def _media(content: Any) -> list[tuple[str, Markup]]:
 
 def _operation(method: str, path: str, raw: Mapping[str, Any]) -> Operation:
     tags = raw.get("tags")
-    body = raw.get("requestBody") if isinstance(raw.get("requestBody"), Mapping) else {}
+    body = _mapping(raw.get("requestBody"))
     answers = []
-    for status, answer in (raw.get("responses") or {}).items():
-        description = str(answer.get("description", "")) if isinstance(answer, Mapping) else ""
-        media = _media(answer.get("content")) if isinstance(answer, Mapping) else []
+    for status, value in _mapping(raw.get("responses")).items():
+        answer = _mapping(value)
+        description = str(answer.get("description", ""))
+        media = _media(answer.get("content"))
         for media_type, kind in media or [("", Markup(""))]:
             answers.append(Answer(str(status), description, media_type, kind))
     text = str(raw.get("description", ""))
@@ -237,10 +244,10 @@ def _operation(method: str, path: str, raw: Mapping[str, Any]) -> Operation:
 
 def _schema(name: str, raw: Mapping[str, Any]) -> SchemaDoc:
     required = set(raw.get("required") or [])
-    props = raw.get("properties") if isinstance(raw.get("properties"), Mapping) else {}
+    props = _mapping(raw.get("properties"))
     fields = [
         SchemaField(str(field), type_of(prop), field in required, notes_of(prop),
-                    str(prop.get("description", "")) if isinstance(prop, Mapping) else "")
+                    str(_mapping(prop).get("description", "")))
         for field, prop in props.items()
     ]  # fmt: skip
     return SchemaDoc(name, str(raw.get("description", "")), type_of(raw), fields)
@@ -251,14 +258,14 @@ def reference(document: Mapping[str, Any]) -> Reference:
     order they first appear, operations in the document's order) and every component schema
     by name."""
     groups: dict[str, list[Operation]] = {}
-    for path, item in (document.get("paths") or {}).items():
+    for path, item in _mapping(document.get("paths")).items():
         for method in METHODS:
-            raw = item.get(method) if isinstance(item, Mapping) else None
+            raw = _mapping(item).get(method)
             if isinstance(raw, Mapping):
                 op = _operation(method, str(path), raw)
                 groups.setdefault(op.tag, []).append(op)
-    info = document.get("info") if isinstance(document.get("info"), Mapping) else {}
-    schemas = (document.get("components") or {}).get("schemas") or {}
+    info = _mapping(document.get("info"))
+    schemas = _mapping(_mapping(document.get("components")).get("schemas"))
     return Reference(
         title=str(info.get("title", "API")), version=str(info.get("version", "")),
         description=str(info.get("description", "")), tags=list(groups.items()),

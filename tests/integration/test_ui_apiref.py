@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from mcp_edge.controlplane.app import OPENAPI
+from mcp_edge.controlplane.ui.apiref import reference
 from tests.support.console import ConsolePlane, console_plane, user_console
 
 _OPERATION = re.compile(r'<section class="op" id="op-([^"]+)" data-method="([A-Z]+)" '
@@ -111,3 +112,23 @@ async def test_the_raw_document_link_downloads_the_served_document(plane: Consol
         body = await r.read()
     assert body == plane.cp.client.app[OPENAPI]
     assert orjson.loads(body)["openapi"].startswith("3.")
+
+
+def test_a_sparse_or_odd_document_renders_what_it_has_escaped() -> None:
+    ref = reference({
+        "paths": {"/x/{id}": {
+            "get": {"summary": "<b>s</b>", "responses": {"200": {"description": "ok"}},
+                    "parameters": [{"name": "id", "in": "path", "required": True,
+                                    "schema": {"type": "<i>"}}, "not a parameter"]},
+            "post": "not an operation",
+        }},
+        "components": {"schemas": {"A": {"type": "object",
+                                         "properties": {"n": {"$ref": "#/components/schemas/<x>"}}},
+                                   "B": "not a schema"}},
+    })  # fmt: skip
+    ((tag, (op,)),) = ref.tags
+    assert (tag, op.method, op.id, op.role, op.bodies) == ("other", "GET", "get_/x/{id}", "", [])
+    assert str(op.params[0].type) == "&lt;i&gt;" and op.summary == "<b>s</b>"
+    (schema,) = ref.schemas
+    assert str(schema.fields[0].type) == '<a href="#schema-&lt;x&gt;">&lt;x&gt;</a>'
+    assert (ref.title, ref.operations) == ("API", 1)

@@ -6,6 +6,7 @@ real HTTP receiver, and acknowledging one as the API does (roles and CSRF enforc
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import html
 import re
 import time
@@ -20,6 +21,7 @@ import pytest
 
 from mcp_edge.controlplane.app import DRIFT
 from mcp_edge.controlplane.db import drift as drift_q
+from mcp_edge.controlplane.db import hard_examples as examples_q
 from mcp_edge.controlplane.drift.sample import decode_drift
 from mcp_edge.controlplane.settings import WebhookConfig
 from mcp_edge.shared.bundle.baseline import compute_baseline
@@ -325,5 +327,23 @@ async def test_a_trigger_without_webhooks_says_so_and_pages_go_back_in_time(
     assert "Older triggers" not in second.text and "Newest triggers" in second.text
     page = await plane.admin.get(f"/ui/drift/triggers/{ids[0]}")
     assert 'id="deliveries-empty"' in page.text and "retraining.*" in page.text
+    assert "none collected" in page.text
+
+    data = np.zeros(6, dtype="<f4").tobytes()
+    async with cp.client.app[DRIFT].db.transaction() as tx:  # what a collection stores
+        await examples_q.insert_examples(tx, [{
+            "trigger_id": int(ids[0]), "device_id": "cam-1", "model": "digits",
+            "version": "1.0.0", "device_ts": cp.clock().timestamp(), "received_at": cp.clock(),
+            "confidence": 0.3, "predicted": 1, "input_name": "x", "input_datatype": "FP32",
+            "input_shape": [1, 6], "input_data": data, "output_name": None,
+            "output_datatype": None, "output_shape": None, "output_data": None,
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }])  # fmt: skip
+    page = await plane.admin.get(f"/ui/drift/triggers/{ids[0]}")
+    assert "1 collected" in page.text
+    npz = f"/api/v1/drift/triggers/{ids[0]}/hard-examples.npz"
+    assert f'href="{npz}"' in page.text
+    async with plane.admin.session.get(plane.admin.url(npz)) as r:
+        assert r.status == 200 and len(await r.read()) > 0
     assert (await plane.admin.get("/ui/drift/triggers/123456")).status == 404
     assert (await plane.admin.get("/ui/drift/triggers/abc")).status == 404
