@@ -40,8 +40,10 @@ def launch_args() -> list[str]:
 
 
 def sign_in(page: Page, base: str, username: str, password: str) -> None:
-    """Sign in through the login form; fails when the console does not let the user in."""
-    page.goto(base + "/ui/login")
+    """Sign in through the login form (the one the page shows, else ``/ui/login``); fails when
+    the console does not let the user in."""
+    if "/ui/login" not in page.url:
+        page.goto(base + "/ui/login")
     page.fill("#username", username)
     page.fill("#password", password)
     page.get_by_role("button", name="Sign in").click()
@@ -103,6 +105,19 @@ class Tab:
 
     def csp_violations(self) -> list[str]:
         return [e for e in self.errors if "Content Security Policy" in e]
+
+    def wait_for(self, predicate: str, what: str, timeout_ms: float, arg: object = None) -> None:
+        """Wait until the JavaScript function ``predicate`` (called with ``arg``) is true in
+        the page; fail naming ``what``, with the page's text."""
+        from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+        try:
+            self.page.wait_for_function(predicate, arg=arg, timeout=timeout_ms)
+        except PlaywrightTimeout:
+            raise AssertionError(
+                f"timed out after {timeout_ms / 1000:.0f} s waiting for {what} on "
+                f"{self.page.url}; the page shows:\n{self.text()[:3000]}\nerrors: {self.errors}"
+            ) from None
 
     def csrf(self) -> str:
         token = self.page.get_attribute('meta[name="csrf-token"]', "content")

@@ -8,6 +8,8 @@ screenshots go to.
 - `fleet`: the broker, control plane and agents, shared by every module here.
 - `admin_tab` / `viewer_tab`: a fresh context signed in as the admin / a viewer, with a
   :class:`~tests.ui.browser.Tab` that records dialogs, requests to other hosts and errors.
+- `ids`: existing ids for the console's path parameters (:class:`~tests.ui.pages.Ids`): a
+  device, a model version, a rollout, a trigger, an enrollment token, an API token.
 - `artifacts`: ``$MCP_TEST_ARTIFACTS/ui`` when set, else ``test-artifacts/ui`` in the checkout.
 """
 
@@ -23,7 +25,8 @@ import pytest
 from mcp_edge.tooling.models import DigitsModels
 from mcp_edge.tooling.processes import REPO
 from tests.ui.browser import Tab, launch_args, sign_in
-from tests.ui.fleet import ConsoleFleet, console_fleet
+from tests.ui.fleet import AGENTS, SENSOR, VERSION, ConsoleFleet, console_fleet
+from tests.ui.pages import Ids
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Playwright
@@ -71,6 +74,20 @@ def artifacts() -> Path:
     folder = Path(root) / "ui" if root else REPO / "test-artifacts" / "ui"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+@pytest.fixture(scope="package")
+def ids(fleet: ConsoleFleet) -> Ids:
+    token = fleet.get("/api/v1/enrollment-tokens")["items"][0]["id"]
+    spare = fleet.post(
+        "/api/v1/auth/login", {"username": "admin", "password": fleet.admin_password}, 201
+    )  # an API token of the admin's own that a route may revoke
+    by_name = {
+        "device_id": AGENTS[0], "name": SENSOR, "model": SENSOR, "version": VERSION,
+        "rollout_id": str(fleet.any_rollout()), "trigger_id": str(fleet.any_trigger()),
+        "token_id": str(token),
+    }  # fmt: skip
+    return Ids(by_name, {("/ui/account/", "token_id"): str(spare["id"])})
 
 
 def _signed_in_state(browser: Browser, fleet: ConsoleFleet, user: str, password: str) -> Any:
