@@ -346,6 +346,7 @@ async def test_server_policy_manual_makes_the_enroll_line_wait(
         assert await enroll(plane.cp, secret, "cam-9") == "pending"
         page = await plane.admin.get("/ui/enrollment")
         assert '<tr data-device="cam-9">' in page.text
+        assert "operator approves (server policy)" in page.text
 
 
 async def test_preauthorize_accepts_a_key_before_it_enrolls(plane: ConsolePlane) -> None:
