@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
@@ -51,17 +51,17 @@ def failure(e: BaseException) -> Failure:
     return Failure(message, code)
 
 
-class AgentGroup(click.Group):
-    """Turns expected failures into one-line errors; ``main()`` runs in the house style."""
+class AgentGroup(cli_style.StyledGroup):
+    """Run in the house style; expected failures become one-line errors with a code."""
+
+    prog = "mcp-agent"
+    failures = FAILURES
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except FAILURES as e:
             raise failure(e) from e
-
-    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
-        cli_style.run(self, "mcp-agent", failures=FAILURES)
 
 
 @click.group(cls=AgentGroup, context_settings={"help_option_names": ["-h", "--help"]})

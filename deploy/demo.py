@@ -433,7 +433,7 @@ class Demo:
         models = self.work / "model"
         models.mkdir(exist_ok=True)
         self.step(
-            "Train two versions of a digits classifier (scikit-learn's 8x8 images, no download)"
+            "Train three versions of a digits classifier (scikit-learn's 8x8 images, no download)"
         )
         labels = models / "labels.txt"
         labels.write_text("\n".join(str(d) for d in range(10)) + "\n")
@@ -864,10 +864,10 @@ Try, in another terminal (from any directory):
   mcp-controlplane desired models cam-1                        # desired vs reported
   curl -s -H 'Content-Type: application/json' -d @{request} {cam2}/v2/models/{MODEL}/infer
   mcp-controlplane rollouts history 1                          # every decision and who made it
-  mcp-controlplane rollouts rollback 1 --reason "try it"       # both go back to 1.1.0 and 1.0.0
+  mcp-controlplane rollouts rollback 1 --reason "try it"       # cam-1 back to 1.1.0, cam-2 to 1.0.0
   mcp-controlplane deploy {MODEL} 1.0.0 --device cam-1          # refused: a downgrade
   mcp-controlplane deploy {MODEL} 1.0.0 --device cam-1 --rollback
-  mcp-agent updates --state-dir {self.work / "agents/cam-1"}   # what the device has on disk
+  mcp-agent updates --state-dir {self.work / "agents/cam-1"}  # what cam-1 has on disk
   mcp-controlplane desired show cam-1                          # the signed desired state
   mcp-controlplane audit                                       # who did what
   mcp-controlplane drift triggers list

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
@@ -67,7 +67,10 @@ def _code(e: Exception) -> str:
     return next((code for kind, code in kinds if isinstance(e, kind)), "failed")
 
 
-class _Group(click.Group):
+class _Group(cli_style.StyledGroup):
+    prog = "mcp-bundle"
+    failures = (McpError, OSError)
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -76,9 +79,6 @@ class _Group(click.Group):
         except OSError as e:
             where = f"{e.filename}: " if e.filename else ""
             raise CliError(f"{where}{e.strerror or e}", _code(e)) from e
-
-    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
-        cli_style.run(self, "mcp-bundle", failures=(McpError, OSError))
 
 
 def not_a_bundle(path: Path) -> str | None:

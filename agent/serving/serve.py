@@ -199,13 +199,14 @@ async def run_server(
         for name in manager.names():
             lv = manager.get(name)
             log.info("serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider)
-        where = listen_url(config.host, runner.addresses)
-        _announce(where, profile, manager.names(), attach, watching=watcher is not None)
+        # Stopping works from the moment the address is announced.
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
+        where = listen_url(config.host, runner.addresses)
+        _announce(where, profile, manager.names(), attach, watching=watcher is not None)
         async with contextlib.AsyncExitStack() as stack:
             if attach is not None:
                 await stack.enter_async_context(attach(manager, profile))
