@@ -176,7 +176,10 @@ def deploy(
     ctx = click.get_current_context()
     if not wait and ctx.get_parameter_source("timeout") is click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError("--timeout is for --wait")
-    timeout_s = parse_duration(timeout) if wait else None
+    try:
+        timeout_s = parse_duration(timeout) if wait else None
+    except click.BadParameter as e:
+        raise click.BadParameter(e.message, param_hint="--timeout") from None
     if wait:
         configure_logging(log_level, log_format)
     selector = _selector(device, group, labels)
@@ -520,13 +523,19 @@ class Follower:
         async with client.session() as session:
             while True:
                 pending = [w for w in self.devices.values() if w.outcome == PENDING]
-                try:
-                    await asyncio.gather(*(one(session, w) for w in pending))
+                results = await asyncio.gather(
+                    *(one(session, w) for w in pending), return_exceptions=True
+                )
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if not errors:
                     failures = 0
-                except ApiCallError as e:
+                else:
+                    e = errors[0]
                     failures += 1
+                    if not isinstance(e, ApiCallError):
+                        raise e
                     if e.status in (401, 403) or failures >= MAX_POLL_FAILURES:
-                        raise
+                        raise e
                     log.warning("deployment %d: %s; trying again", self.id, e.format_message())
                 line = self.progress()
                 if line != said or time.monotonic() - said_at >= HEARTBEAT_S:
