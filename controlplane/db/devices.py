@@ -19,9 +19,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
-    JSON,
     ColumnElement,
     Select,
+    String,
     and_,
     case,
     cast,
@@ -30,11 +30,12 @@ from sqlalchemy import (
     func,
     insert,
     literal,
-    not_,
     or_,
     select,
     true,
 )
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.orm import aliased
 
 from mcp_edge.controlplane.db.engine import Tx
 from mcp_edge.controlplane.db.errors import NotFoundError
@@ -241,28 +242,20 @@ def _filtered(query: Select[Any], f: DeviceFilter, dialect: str) -> Select[Any]:
     if f.online is not None:
         query = query.where(Device.online.is_(f.online))
     if f.search:
-        pattern = "%" + f.search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        pattern = "%" + _like_escaped(f.search) + "%"
         query = query.where(Device.id.like(pattern, escape="\\"))
     if f.model is not None:
-        r = _reported_models(dialect)
-        query = query.where(
-            or_(
-                exists().where(
-                    DeviceModelRow.device_id == Device.id, DeviceModelRow.model == f.model
-                ),
-                exists(r.query.where(r.name == f.model)),
-            )
-        )
+        query = query.where(Device.id.in_(_with_model(f.model, dialect)))
     if f.in_sync is not None:
         out = _out_of_sync(dialect)
-        query = query.where(not_(out) if f.in_sync else out)
+        query = query.where(Device.id.not_in(out) if f.in_sync else Device.id.in_(out))
     return query
 
 
 @dataclass(frozen=True)
 class _Reported:
-    """Each model of the reported state of the enclosing query's device (correlated on
-    ``devices.id``): ``query`` selects its rows, ``name`` and ``active`` are its fields."""
+    """Every model in every reported state, each document parsed once: ``query`` selects from
+    its rows (objects with a name only), ``name`` and ``active`` are their fields."""
 
     query: Select[Any]
     name: ColumnElement[Any]
@@ -275,51 +268,95 @@ def _reported_models(dialect: str) -> _Reported:
         each = func.json_each(rs.document, "$.models").table_valued("value", "type").alias("rm")
         name: ColumnElement[Any] = func.json_extract(each.c.value, "$.name")
         active: ColumnElement[Any] = func.json_extract(each.c.value, "$.active_version")
-        is_object: ColumnElement[bool] = and_(
-            func.json_type(rs.document, "$.models") == "array", each.c.type == "object"
+        query = (
+            select(rs.device_id)
+            .select_from(rs)
+            .join(each, true())
+            .where(func.json_type(rs.document, "$.models") == "array", each.c.type == "object")
         )
-    else:
-        models = rs.document.op("->")("models")
-        array = case((func.json_typeof(models) == "array", models), else_=cast(literal("[]"), JSON))
-        each = func.json_array_elements(array).table_valued("value").alias("rm")
+    else:  # the document is json (text): parse it once, into jsonb, whose fields read cheaply
+        binary = cast(rs.document, postgresql.JSONB).op("->")("models")
+        models = select(binary.label("m")).correlate(rs).lateral("rmodels")
+        array = case(
+            (func.jsonb_typeof(models.c.m) == "array", models.c.m),
+            else_=cast(literal("[]"), postgresql.JSONB),
+        )
+        each = func.jsonb_array_elements(array).table_valued("value").alias("rm")
         name = each.c.value.op("->>")("name")
         active = each.c.value.op("->>")("active_version")
-        is_object = func.json_typeof(each.c.value) == "object"
-    query = (
-        select(literal(1))
-        .select_from(rs)
-        .join(each, true())
-        .where(rs.device_id == Device.id, is_object)
-    )
-    return _Reported(query, name, active)
+        query = (
+            select(rs.device_id)
+            .select_from(rs)
+            .join(models, true())
+            .join(each, true())
+            .where(func.jsonb_typeof(each.c.value) == "object")
+        )
+    return _Reported(query.where(name.is_not(None)), name, active)
 
 
-def _out_of_sync(dialect: str) -> ColumnElement[bool]:
-    """The device of the enclosing query has a model that is not in sync: it was told to run
-    models and has not applied the newest document, or it does not report a desired model's
-    stable version active, or it reports a model it was not told to run."""
-    dm, ds, rs = DeviceModelRow, DesiredStateRow, ReportedStateRow
-    current = exists(
-        select(literal(1))
-        .select_from(ds)
-        .join(rs, rs.device_id == ds.device_id)
-        .where(ds.device_id == Device.id, rs.applied_seq >= ds.seq)
-    )
-    has_models = exists().where(dm.device_id == Device.id)
+def _like_escaped(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def _with_model(model: str, dialect: str) -> Select[Any]:
+    """The ids of the devices told to run ``model`` or reporting it. Only the reported states
+    whose text holds the name as a JSON string are parsed (a model name is an identifier,
+    which JSON writes without escapes)."""
     r = _reported_models(dialect)
-    runs_stable = exists(
-        r.query.where(r.name == dm.model, r.active == dm.stable_version)
-    ).correlate(Device, dm)
-    missing = exists(select(literal(1)).where(dm.device_id == Device.id, not_(runs_stable)))
-    undesired = exists(
-        r.query.where(
-            r.name.is_not(None),
-            not_(
-                exists().where(dm.device_id == Device.id, dm.model == r.name).correlate_except(dm)
-            ),
+    told = select(DeviceModelRow.device_id).where(DeviceModelRow.model == model)
+    mentions = cast(ReportedStateRow.document, String).like(
+        f'%"{_like_escaped(model)}"%', escape="\\"
+    )
+    return told.union(r.query.where(mentions, r.name == model))  # type: ignore[return-value]
+
+
+_UNDESIRED = 1000
+"""What a reported model the device was not told to run adds to a device's score in
+:func:`_out_of_sync` (more than a device can be told to run: a reported state lists at most
+64 models)."""
+
+
+def _out_of_sync(dialect: str) -> Select[Any]:
+    """The ids of the devices with a model that is not in sync: told to run models without
+    having applied the newest document, not reporting a desired model's stable version active,
+    or reporting a model they were not told to run.
+
+    One pass over the fleet's reported models, joined by hash or index, whatever the other
+    filters (no per-device subquery): each reported model scores 1 when it runs its desired
+    stable version and :data:`_UNDESIRED` when the device was not told to run it, so a device
+    is in sync exactly when its score equals the number of models it was told to run."""
+    dm, ds, rs = DeviceModelRow, DesiredStateRow, ReportedStateRow
+    r = _reported_models(dialect)
+    wanted = aliased(DeviceModelRow, name="wanted")
+    points = case(
+        (wanted.model.is_(None), _UNDESIRED), (r.active == wanted.stable_version, 1), else_=0
+    )
+    scores = (
+        r.query.outerjoin(wanted, and_(wanted.device_id == rs.device_id, wanted.model == r.name))
+        .with_only_columns(rs.device_id.label("device_id"), func.sum(points).label("score"))
+        .group_by(rs.device_id)
+        .subquery("scores")
+    )
+    told = (
+        select(dm.device_id.label("device_id"), func.count().label("n"))
+        .group_by(dm.device_id)
+        .subquery("told")
+    )
+    current = (
+        select(ds.device_id).join(rs, rs.device_id == ds.device_id).where(rs.applied_seq >= ds.seq)
+    )
+    fleet = aliased(Device, name="fleet")
+    return (
+        select(fleet.id)
+        .outerjoin(told, told.c.device_id == fleet.id)
+        .outerjoin(scores, scores.c.device_id == fleet.id)
+        .where(
+            or_(
+                func.coalesce(scores.c.score, 0) != func.coalesce(told.c.n, 0),
+                and_(told.c.n.is_not(None), fleet.id.not_in(current)),
+            )
         )
     )
-    return or_(and_(has_models, not_(current)), missing, undesired)
 
 
 def _order(sort: str, descending: bool) -> list[Any]:
@@ -352,29 +389,27 @@ async def list_devices(
     descending: bool = False,
 ) -> tuple[list[DeviceView], int]:
     """One page of matching devices in ``sort`` order (one of :data:`SORTS`), and the total
-    number that match. The page's ids are chosen first and only those rows are read."""
+    number that match. One statement chooses the page's ids and counts the matches (a filter
+    on sync state is evaluated once); only the page's rows are then read."""
     dialect = tx.get_bind().dialect.name
-    total = (
-        await tx.execute(_filtered(select(func.count()).select_from(Device), f, dialect))
-    ).scalar_one()
-    order = _order(sort, descending)
-    page = _filtered(select(Device.id), f, dialect).order_by(*order).limit(limit).offset(offset)
-    ids = [i for (i,) in await tx.execute(page)]
+    page = (
+        _filtered(select(Device.id, func.count().over().label("total")), f, dialect)
+        .order_by(*_order(sort, descending))
+        .limit(limit)
+        .offset(offset)
+    )
+    found = (await tx.execute(page)).all()
+    if found:
+        total = int(found[0].total)
+    else:  # past the last page (or nothing matches): count alone
+        counted = _filtered(select(func.count()).select_from(Device), f, dialect)
+        total = int((await tx.execute(counted)).scalar_one()) if offset else 0
+    ids = [row.id for row in found]
     if not ids:
-        return [], int(total)
+        return [], total
     rows = {d.id: d for d in (await tx.execute(select(Device).where(Device.id.in_(ids)))).scalars()}
     labels = await _labels_of(tx, ids)
-    return [_view(rows[i], labels[i]) for i in ids if i in rows], int(total)
-
-
-async def count_by_status(tx: Tx) -> dict[str, int]:
-    rows = await tx.execute(select(Device.status, func.count()).group_by(Device.status))
-    return {status: int(n) for status, n in rows}
-
-
-async def count_online(tx: Tx) -> int:
-    query = select(func.count()).select_from(Device).where(Device.online.is_(True))
-    return int((await tx.execute(query)).scalar_one())
+    return [_view(rows[i], labels[i]) for i in ids if i in rows], total
 
 
 # ---------------------------------------------------------------------------- desired vs reported
