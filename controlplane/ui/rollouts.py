@@ -267,7 +267,7 @@ async def count_target(tx: Tx, target: Target) -> tuple[int, list[str]]:
                 profile=profile,
                 statuses=[ACCEPTED],
             ),
-            limit=0,
+            limit=1,  # the total is what counts; one row is read
             offset=0,
         )
         total += n
@@ -729,9 +729,10 @@ def _stage_rows(d: RolloutDetail) -> list[StageRow]:
     for i, (stage, stored, n) in enumerate(
         zip(d.spec.stages, r.spec["stages"], sizes, strict=False)
     ):
-        size = f"{stage.count}" if stage.count is not None else f"{stage.percent:g}%"
-        if n is not None:
-            size += f" ({_devices(n)})" if stage.count is None else " devices"
+        if stage.count is not None:
+            size = _devices(stage.count)
+        else:
+            size = f"{stage.percent:g}%" + (f" ({_devices(n)})" if n is not None else "")
         if status is RolloutStatus.SUCCEEDED or i < r.stage:
             state, badge = "passed", "ok"
         elif i == r.stage:

@@ -345,7 +345,7 @@ async def test_the_live_route_streams_the_state(setup: Setup) -> None:
 async def test_commands_do_what_the_api_does(setup: Setup) -> None:
     rollout_id = await setup.start()
     page = await setup.admin.get(f"/ui/rollouts/{rollout_id}")
-    shown = set(re.findall(r'id="action-(\w+)"', page.text))
+    shown = set(re.findall(r'<button type="submit" id="action-(\w+)"', page.text))
     assert shown == {"pause", "promote", "abort", "rollback"}
     assert 'data-confirm="Pause rollout' in page.text and ">Roll back</button>" in page.text
 
@@ -355,7 +355,7 @@ async def test_commands_do_what_the_api_does(setup: Setup) -> None:
     page = await command("pause", "night")
     assert page.status == 200 and state_of(page) == "paused"
     assert f"Rollout {rollout_id} paused; it is paused." in page.text
-    assert set(re.findall(r'id="action-(\w+)"', page.text)) == {
+    assert set(re.findall(r'<button type="submit" id="action-(\w+)"', page.text)) == {
         "resume", "promote", "abort", "rollback",
     }  # fmt: skip
     api = await setup.api("GET", f"/api/v1/rollouts/{rollout_id}")

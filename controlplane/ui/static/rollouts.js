@@ -1,6 +1,6 @@
 // MCP Edge console, rollouts pages. Progressive enhancement only: every form works without it.
 // - A rollout's command buttons (form[data-reason], re-rendered by live updates) send the text
-//   of the page's one reason field (#command-reason), which lives outside the live region so
+//   of the page's one reason field (#action-reason), which lives outside the live region so
 //   an update never wipes what is being typed.
 // - On the new-rollout form, choosing a model offers that model's versions (#version-list)
 //   and puts its newest one in #version when the version typed is not one of them.
@@ -10,7 +10,7 @@
   document.addEventListener("submit", function (ev) {
     var form = ev.target;
     if (!(form instanceof HTMLFormElement) || !form.hasAttribute("data-reason")) return;
-    var source = document.getElementById("command-reason");
+    var source = document.getElementById("action-reason");
     var field = form.querySelector("input[name=reason]");
     if (source && field) field.value = source.value;
   });
