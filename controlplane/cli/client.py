@@ -32,7 +32,8 @@ _CHECK = "check that `mcp-controlplane serve` runs there and that --server (MCP_
 
 class ApiCallError(click.ClickException):
     """A request that did not succeed. ``code`` is the API's error code (``not_found``, ...)
-    or ``unreachable`` / ``bad_answer`` / ``no_token``; ``status`` the HTTP status, if any."""
+    or ``unreachable`` / ``bad_answer`` / ``no_token`` / ``usage``; ``status`` the HTTP
+    status, if any."""
 
     def __init__(self, message: str, *, code: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -40,12 +41,18 @@ class ApiCallError(click.ClickException):
         self.status = status
 
 
+class ServerUrlError(ApiCallError):
+    """``--server`` is not a URL: a usage error (exit 2)."""
+
+    exit_code = 2
+
+
 def _unreachable(server: str, e: BaseException) -> ApiCallError:
     """What to tell a user whose request never got an answer."""
     if isinstance(e, asyncio.TimeoutError):
         why = f"no answer within {TIMEOUT_S:.0f} s; {_CHECK}"
     elif isinstance(e, aiohttp.InvalidURL):
-        return ApiCallError(
+        return ServerUrlError(
             f"--server {server!r} is not a URL; give one like {DEFAULT_SERVER}", code="usage"
         )
     elif isinstance(e, aiohttp.ClientConnectorDNSError):

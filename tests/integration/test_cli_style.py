@@ -90,6 +90,11 @@ def test_an_unreachable_server_is_named_with_what_to_check() -> None:
     )
     as_json = CliRunner().invoke(main, ["whoami", "--server", server, "--token", "x", "--json"])
     assert json.loads(as_json.stderr)["code"] == "unreachable"
+    not_a_url = CliRunner().invoke(main, ["whoami", "--server", "cp-1", "--token", "mcpa_x"])
+    assert not_a_url.exit_code == 2
+    assert not_a_url.stderr == (
+        "Error: --server 'cp-1' is not a URL; give one like http://127.0.0.1:8080\n"
+    )
 
 
 # ---------------------------------------------------------------------------- environment
