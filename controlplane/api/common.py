@@ -270,7 +270,7 @@ _ENROLLMENT_CODES: tuple[tuple[type[EnrollmentError], ErrorCode], ...] = (
 )
 
 
-def _enrollment_code(e: EnrollmentError) -> ErrorCode:
+def enrollment_code(e: EnrollmentError) -> ErrorCode:
     return next(
         (code for cls, code in _ENROLLMENT_CODES if isinstance(e, cls)), ErrorCode.BAD_REQUEST
     )
@@ -280,7 +280,7 @@ def _classify(e: Exception) -> web.Response:
     if isinstance(e, ApiError):
         return error_response(e.code, str(e))
     if isinstance(e, EnrollmentError):
-        code = _enrollment_code(e)
+        code = enrollment_code(e)
         auth = {"WWW-Authenticate": "Bearer"} if code is ErrorCode.UNAUTHORIZED else None
         return error_response(code, str(e), headers=auth)
     if isinstance(e, AuthError):

@@ -33,9 +33,10 @@ import jinja2
 from aiohttp import web
 from markupsafe import Markup
 
-from mcp_edge.controlplane.api.common import ApiError, Services, services
+from mcp_edge.controlplane.api.common import ApiError, Services, enrollment_code, services
 from mcp_edge.controlplane.auth import SESSION_COOKIE, AuthError, Principal, Role, authenticate
 from mcp_edge.controlplane.db import ConflictError, NotFoundError, UnavailableError
+from mcp_edge.controlplane.enrollment_service import EnrollmentError
 from mcp_edge.shared.errors import MessageError, ProtocolError
 
 log = logging.getLogger("mcp.controlplane.ui")
@@ -296,6 +297,8 @@ def _error_status(e: Exception) -> tuple[int, str]:
         return e.code.http_status, str(e)
     if isinstance(e, AuthError):
         return e.status, str(e)
+    if isinstance(e, EnrollmentError):
+        return enrollment_code(e).http_status, str(e)
     if isinstance(e, NotFoundError):
         return 404, str(e)
     if isinstance(e, ConflictError):
