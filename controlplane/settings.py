@@ -319,7 +319,7 @@ class Settings:
     ``telemetry_retention_days``)."""
     ui_session_hours: float = 12.0
     """How long a web console session lasts after sign-in (``/ui/login``); it can be ended
-    sooner by signing out or revoking it (``mcp-controlplane tokens revoke``)."""
+    sooner by signing out or revoking it (``mcp-controlplane api-tokens revoke``)."""
     drift_policy: DriftPolicy = field(default_factory=DriftPolicy)
     """How devices measure drift (window, sampling, hard examples): sent in every desired
     state's telemetry policy (``[drift_policy]`` in the config file)."""

@@ -11,9 +11,9 @@ takes a :class:`Ctx`. :func:`attach_pages` wraps each handler so that
 - an error becomes an HTML error page with the matching status (never a traceback);
 - every answer carries the console's Content-Security-Policy and the other security headers.
 
-A session is an API token named :data:`SESSION_TOKEN_NAME` (``mcp-controlplane tokens list``
-shows it, ``tokens revoke`` ends it) held in an HttpOnly, SameSite=Strict cookie, Secure when
-the console is served over TLS. The CSRF token is an HMAC of the session secret, so it is bound
+A session is an API token named :data:`SESSION_TOKEN_NAME` (``mcp-controlplane api-tokens
+list`` shows it, ``api-tokens revoke`` ends it) held in an HttpOnly, SameSite=Strict cookie,
+Secure when the console is served over TLS. The CSRF token is an HMAC of the session secret, so it is bound
 to the session and needs no storage.
 """
 
