@@ -67,7 +67,12 @@ class AgentGroup(cli_style.StyledGroup):
 @click.group(cls=AgentGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mcp-agent")
 def main() -> None:
-    """MCP Edge device agent."""
+    """MCP Edge device agent.
+
+    Every option can also be set by the environment variable shown beside it in a command's
+    --help (MCP_ and the option's name: --state-dir is MCP_STATE_DIR); `mcp-agent run` also
+    reads /etc/mcp-agent/agent.toml (or --config FILE).
+    """
 
 
 @main.command("profiles")

@@ -145,6 +145,9 @@ def cli() -> None:
       mcp-bundle verify digits-1.3.0.mcpb --trusted-key publisher.pub
       mcp-bundle inspect digits-1.3.0.mcpb
       mcp-bundle push digits-1.3.0.mcpb --server https://cp.example:8080 --token $MCP_TOKEN
+
+    Every option can also be set by the environment variable shown beside it in a command's
+    --help (MCP_ and the option's name: --trusted-key is MCP_TRUSTED_KEY).
     """
 
 
