@@ -6,6 +6,8 @@ show commands take ``--json`` for scripts.
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -234,7 +236,28 @@ def tokens_revoke(server: str, token: str | None, token_id: int) -> None:
 # ---------------------------------------------------------------------------- devices
 @click.group()
 def devices() -> None:
-    """Devices: list, inspect, label, approve, revoke."""
+    """Devices: list, inspect, label, approve, revoke; their flight recorder and health."""
+
+
+def fmt_models(models: list[dict[str, Any]]) -> str:
+    """A device's models on one line: ``digits=1.1.0`` when in sync, else what it runs and
+    what it should (``digits=1.0.0 (wants 1.1.0)``)."""
+    parts = []
+    for m in models:
+        runs = m["reported_version"] or "-"
+        if m["desired_version"] is None:
+            parts.append(f"{m['model']}={runs} (not desired)")
+        elif m["in_sync"]:
+            parts.append(f"{m['model']}={runs}")
+        else:
+            parts.append(f"{m['model']}={runs} (wants {m['desired_version']})")
+    return ", ".join(parts) or "-"
+
+
+def _sync_text(device: dict[str, Any]) -> str:
+    if not device["models"]:
+        return "-"
+    return "yes" if device["in_sync"] else "no"
 
 
 def _device_rows(items: list[dict[str, Any]]) -> list[list[object]]:
@@ -246,13 +269,17 @@ def _device_rows(items: list[dict[str, Any]]) -> list[list[object]]:
             d["profile"],
             d["group"],
             fmt_labels(d["labels"]),
+            fmt_models(d["models"]),
+            _sync_text(d),
             fmt_time(d["last_seen_at"]),
         ]
         for d in items
     ]
 
 
-DEVICE_HEADERS = ["id", "status", "connection", "profile", "group", "labels", "last seen"]
+DEVICE_HEADERS = [
+    "id", "status", "connection", "profile", "group", "labels", "models", "in sync", "last seen",
+]  # fmt: skip
 
 
 @devices.command("list")
@@ -261,6 +288,14 @@ DEVICE_HEADERS = ["id", "status", "connection", "profile", "group", "labels", "l
 @click.option("--profile")
 @click.option("--status", "statuses", multiple=True, type=click.Choice(STATUSES))
 @click.option("--group")
+@click.option("--model", help="Devices told to run this model, or reporting it.")
+@click.option(
+    "--in-sync/--not-in-sync",
+    "in_sync",
+    default=None,
+    help="Devices whose every model runs its desired version / those with one that does not.",
+)
+@click.option("--search", "-q", help="Devices whose id contains this.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True)
 @click.option("--offset", type=click.IntRange(min=0), default=0)
 @click.option("--json", "as_json", is_flag=True)
@@ -271,13 +306,22 @@ def devices_list(
     profile: str | None,
     statuses: tuple[str, ...],
     group: str | None,
+    model: str | None,
+    in_sync: bool | None,
+    search: str | None,
     limit: int,
     offset: int,
     as_json: bool,
 ) -> None:
-    """List devices matching all the filters given."""
+    """List devices matching all the filters given, with the version of each model they run
+    and whether it is the one they were told to run."""
     params = [("label", label) for label in labels] + [("status", s) for s in statuses]
-    params += [(k, v) for k, v in (("profile", profile), ("group", group)) if v]
+    params += [
+        (k, v) for k, v in (("profile", profile), ("group", group), ("model", model),
+                            ("q", search)) if v
+    ]  # fmt: skip
+    if in_sync is not None:
+        params.append(("in_sync", "true" if in_sync else "false"))
     params += [("limit", str(limit)), ("offset", str(offset))]
     answer = ApiClient(server, token).call("GET", "/api/v1/devices", params=params)
     if as_json:
@@ -288,12 +332,200 @@ def devices_list(
         click.echo(f"({len(answer['items'])} of {answer['total']}; use --offset)", err=True)
 
 
+def _facts(device: dict[str, Any]) -> list[tuple[str, str]]:
+    status = device["status"]
+    if status == "accepted":
+        status += " (online)" if device["online"] else " (offline)"
+    elif device["revoked_at"]:
+        status += f" since {fmt_time(device['revoked_at'])}"
+    enrolled = fmt_time(device["created_at"])
+    if device["accepted_at"]:
+        enrolled += f", accepted {fmt_time(device['accepted_at'])}"
+    hardware = ", ".join(f"{k}={v}" for k, v in sorted(device["facts"].items())) or "-"
+    return [
+        ("status", status),
+        ("profile", device["profile"] or "-"),
+        ("group", device["group"] or "-"),
+        ("labels", fmt_labels(device["labels"])),
+        ("agent version", device["agent_version"] or "-"),
+        ("hardware", hardware),
+        ("enrolled", enrolled),
+        ("last seen", fmt_time(device["last_seen_at"])),
+        ("public key", device["public_key"]),
+    ]
+
+
+def _print_facts(facts: list[tuple[str, str]]) -> None:
+    width = max(len(k) for k, _ in facts)
+    for key, value in facts:
+        click.echo(f"  {key.ljust(width)}  {value}")
+
+
 @devices.command("show")
 @api_options
 @click.argument("device_id")
-def devices_show(server: str, token: str | None, device_id: str) -> None:
-    """Everything known about one device (JSON)."""
-    print_json(ApiClient(server, token).call("GET", _dev(device_id)))
+@click.option("--json", "as_json", is_flag=True, help="The whole document the API gives.")
+def devices_show(server: str, token: str | None, device_id: str, as_json: bool) -> None:
+    """Everything known about one device: its facts, labels and models."""
+    device = ApiClient(server, token).call("GET", _dev(device_id))
+    if as_json:
+        print_json(device)
+        return
+    click.echo(device["id"])
+    _print_facts(_facts(device))
+    if not device["models"]:
+        command = f"mcp-controlplane deploy MODEL VERSION --device {device['id']}"
+        click.echo(f"no models; deploy one with `{command}`")
+        return
+    click.echo("all models in sync" if device["in_sync"] else "not in sync")
+    print_table(
+        ["model", "desired", "canary", "reported", "phase", "in sync"],
+        [
+            [m["model"], m["desired_version"] or "(not desired)", m["canary_version"],
+             m["reported_version"], m["phase"], "yes" if m["in_sync"] else "no"]
+            for m in device["models"]
+        ],
+    )  # fmt: skip
+
+
+EVENTS_PAGE = 1000
+
+
+def fmt_bytes(value: int | None) -> str:
+    """``1.5 MiB`` (binary units up to GiB); ``-`` for None."""
+    if value is None:
+        return "-"
+    if value < 1024:
+        return f"{value} B"
+    exponent = min(3, int(math.log(value, 1024)))
+    return f"{value / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB')[exponent - 1]}"
+
+
+def _event_bytes(event: dict[str, Any]) -> str:
+    done, total = event["bytes_done"], event["bytes_total"]
+    if total:
+        return f"{fmt_bytes(done or 0)}/{fmt_bytes(total)}"
+    return fmt_bytes(done)
+
+
+def _took(ms: float | None) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms:.0f} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
+
+
+@devices.command("events")
+@api_options
+@click.argument("device_id")
+@click.option(
+    "--limit", type=click.IntRange(1, 10_000), default=50, show_default=True,
+    help="How many of the newest events.",
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True)
+def devices_events(
+    server: str, token: str | None, device_id: str, limit: int, as_json: bool
+) -> None:
+    """The device's deployment flight recorder: each step of each deployment (phase, outcome,
+    bytes, time taken, cause), oldest first, the newest LIMIT of them."""
+    client = ApiClient(server, token)
+    newest: deque[dict[str, Any]] = deque(maxlen=limit)
+    after = -1
+    while True:  # the API pages by event_seq from the oldest; keep the newest LIMIT
+        params = [("after_seq", str(after)), ("limit", str(EVENTS_PAGE))]
+        items = client.call("GET", _dev(device_id) + "/events", params=params)["items"]
+        newest.extend(items)
+        if len(items) < EVENTS_PAGE:
+            break
+        after = items[-1]["event_seq"]
+    events = list(newest)
+    if as_json:
+        print_json(events)
+        return
+    if not events:
+        click.echo(f"{device_id} recorded no deployment events yet", err=True)
+        return
+    print_table(
+        ["seq", "time", "model", "version", "phase", "outcome", "bytes", "took", "cause",
+         "message"],
+        [
+            [e["event_seq"], fmt_time(e["ts"]), e["model"], e["version"], e["phase"],
+             e["outcome"], _event_bytes(e), _took(e["elapsed_ms"]), e["cause"],
+             e["message"] or "-"]
+            for e in events
+        ],
+    )  # fmt: skip
+
+
+def _health_facts(h: dict[str, Any]) -> list[tuple[str, str]]:
+    def mb(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    facts = [
+        ("cpu", f"{h['cpu_percent']:.0f} %"
+         + (f", load {h['load_1m']:.2f}" if h["load_1m"] is not None else "")),
+        ("memory", f"{mb(h['mem_used_mb'])} of {mb(h['mem_total_mb'])} MB used"),
+        ("disk", f"{mb(h['disk_free_mb'])} of {mb(h['disk_total_mb'])} MB free"),
+        ("agent memory", f"{mb(h['process_rss_mb'])} MB"),
+        ("uptime", "-" if h["uptime_s"] is None else f"{h['uptime_s'] / 3600:.1f} h"),
+    ]  # fmt: skip
+    temperatures = ", ".join(f"{k} {v:.1f} °C" for k, v in sorted(h["temperatures_c"].items()))
+    facts.append(("temperature", temperatures or "-"))
+    gpu = h.get("gpu") or {}
+    if gpu:
+        parts = []
+        if gpu.get("util_percent") is not None:
+            parts.append(f"{gpu['util_percent']:.0f} %")
+        if gpu.get("mem_used_mb") is not None:
+            parts.append(f"memory {mb(gpu['mem_used_mb'])} of {mb(gpu.get('mem_total_mb'))} MB")
+        if gpu.get("power_mw") is not None:
+            parts.append(f"power {gpu['power_mw'] / 1000:.1f} W")
+        facts.append(("gpu", ", ".join(parts) or "-"))
+    return facts
+
+
+@devices.command("health")
+@api_options
+@click.argument("device_id")
+@click.option(
+    "--window", default="1h", show_default=True,
+    help="Inference figures over this much time back (1m to 7d).",
+)  # fmt: skip
+@click.option("--json", "as_json", is_flag=True)
+def devices_health(
+    server: str, token: str | None, device_id: str, window: str, as_json: bool
+) -> None:
+    """The device's latest health reading, and the requests, errors and p95 latency of each
+    model version it ran over the window."""
+    window_s = parse_duration(window)
+    if window_s is None:
+        raise click.BadParameter("give a length of time such as 1h", param_hint="--window")
+    client = ApiClient(server, token)
+    samples = client.call("GET", _dev(device_id) + "/health", params=[("limit", "1")])["items"]
+    inference = client.call(
+        "GET", _dev(device_id) + "/inference", params=[("window_s", str(window_s))]
+    )
+    latest = samples[-1] if samples else None
+    if as_json:
+        print_json({"device_id": device_id, "health": latest, "inference": inference})
+        return
+    if latest is None:
+        click.echo(f"{device_id}: no health reading stored")
+    else:
+        click.echo(f"{device_id}: health at {fmt_time(latest['ts'])} (the device's clock)")
+        _print_facts(_health_facts(latest))
+    if not inference["items"]:
+        click.echo(f"no inference statistics since {fmt_time(inference['since'])}")
+        return
+    click.echo(f"inference since {fmt_time(inference['since'])}:")
+    print_table(
+        ["model", "version", "role", "requests", "errors", "error rate", "p95"],
+        [
+            [i["model"], i["version"], i["role"], i["requests"], i["errors"],
+             "-" if i["error_rate"] is None else f"{100 * i['error_rate']:.2f} %",
+             "-" if i["p95_ms"] is None else f"{i['p95_ms']:.1f} ms"]
+            for i in inference["items"]
+        ],
+    )  # fmt: skip
 
 
 @devices.command("label")

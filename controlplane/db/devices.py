@@ -13,6 +13,7 @@ fleet never loads the fleet.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -392,8 +393,9 @@ async def list_devices(
     number that match. One statement chooses the page's ids and counts the matches (a filter
     on sync state is evaluated once); only the page's rows are then read."""
     dialect = tx.get_bind().dialect.name
+    ids_and_total = typing.cast(Select[Any], select(Device.id, func.count().over().label("total")))
     page = (
-        _filtered(select(Device.id, func.count().over().label("total")), f, dialect)
+        _filtered(ids_and_total, f, dialect)
         .order_by(*_order(sort, descending))
         .limit(limit)
         .offset(offset)
@@ -410,6 +412,16 @@ async def list_devices(
     rows = {d.id: d for d in (await tx.execute(select(Device).where(Device.id.in_(ids)))).scalars()}
     labels = await _labels_of(tx, ids)
     return [_view(rows[i], labels[i]) for i in ids if i in rows], total
+
+
+async def count_by_status(tx: Tx) -> dict[str, int]:
+    rows = await tx.execute(select(Device.status, func.count()).group_by(Device.status))
+    return {status: int(n) for status, n in rows}
+
+
+async def count_online(tx: Tx) -> int:
+    query = select(func.count()).select_from(Device).where(Device.online.is_(True))
+    return int((await tx.execute(query)).scalar_one())
 
 
 # ---------------------------------------------------------------------------- desired vs reported

@@ -207,9 +207,11 @@ def health_charts(rows: list[dict[str, Any]]) -> list[Markup]:
         def gpu(key: str) -> Any:
             return lambda r: (r.get("gpu") or {}).get(key)
 
-        charts.append(line_chart("GPU", [Series("utilisation", _points(rows, gpu("util_percent"))),
-                                         Series("memory controller", _points(rows, gpu("emc_percent")))],
-                                 unit="%"))  # fmt: skip
+        busy = [
+            Series("utilisation", _points(rows, gpu("util_percent"))),
+            Series("memory controller", _points(rows, gpu("emc_percent"))),
+        ]
+        charts.append(line_chart("GPU", busy, unit="%"))
         power = [(t, v / 1000) for t, v in _points(rows, gpu("power_mw"))]
         if power:
             charts.append(line_chart("Power", [Series("GPU power", power)], unit="W"))
