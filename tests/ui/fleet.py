@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from mcp_edge.controlplane.settings import SQLITE_FILE
 from mcp_edge.shared.bundle import build_bundle, sign_bundle
 from mcp_edge.shared.bundle.upload import upload_bundle
 from mcp_edge.shared.signing import PrivateKey
@@ -138,6 +139,29 @@ class ConsoleFleet:
 
     def pending(self) -> list[str]:
         return [d["id"] for d in self.get("/api/v1/approvals")["items"]]
+
+    @property
+    def database_url(self) -> str:
+        """The control plane's SQLite database (``mcp-controlplane init``'s default)."""
+        return f"sqlite:///{(self.work / 'cp' / SQLITE_FILE).resolve()}"
+
+    def last_audit_id(self) -> int:
+        items = self.get("/api/v1/audit?limit=1")["items"]
+        return int(items[0]["id"]) if items else 0
+
+    def state(self) -> Json:
+        """What a console action could change, as the API shows it (not what moves by
+        itself: online flags, last-seen times, a running rollout's devices)."""
+        return {
+            "devices": {k: (v["status"], v["labels"]) for k, v in self.devices().items()},
+            "pending": self.pending(),
+            "tokens": [(t["id"], t["state"], t["description"])
+                       for t in self.get("/api/v1/enrollment-tokens")["items"]],
+            "rollouts": [(r["id"], r["status"]) for r in self.rollouts()],
+            "triggers": [(t["id"], t["status"], t["note"]) for t in self.triggers()],
+            "api_tokens": [(t["id"], t["revoked_at"])
+                           for t in self.get("/api/v1/api-tokens")["items"]],
+        }  # fmt: skip
 
     # -------------------------------------------------------------- making things happen
     def publish(self, key: PrivateKey, model: str, version: str = VERSION) -> None:
