@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from playwright.sync_api import ConsoleMessage, Dialog, Page, Request, Response
+    from playwright.sync_api import ConsoleMessage, Dialog, Page, Request, Response, ViewportSize
 
 NO_NETWORK_FLAGS = [
     "--disable-gpu",
@@ -30,7 +30,8 @@ NO_NETWORK_FLAGS = [
 ]
 """Chromium flags for a machine without network: nothing is fetched in the background."""
 
-TABLET = {"width": 768, "height": 1024}
+DESKTOP: ViewportSize = {"width": 1280, "height": 900}
+TABLET: ViewportSize = {"width": 768, "height": 1024}
 
 
 def launch_args() -> list[str]:

@@ -24,7 +24,7 @@ import pytest
 
 from mcp_edge.tooling.models import DigitsModels
 from mcp_edge.tooling.processes import REPO
-from tests.ui.browser import Tab, launch_args, sign_in
+from tests.ui.browser import DESKTOP, Tab, launch_args, sign_in
 from tests.ui.fleet import AGENTS, SENSOR, VERSION, ConsoleFleet, console_fleet
 from tests.ui.pages import Ids
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 CHROMIUM = Path(os.environ.get("MCP_TEST_CHROMIUM", "/usr/bin/chromium"))
 VIEWER = ("vera", "vera-password")
-DESKTOP = {"width": 1280, "height": 900}
 
 
 @pytest.fixture(scope="package")

@@ -14,6 +14,7 @@ shows against what the API says.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import urllib.error
@@ -183,10 +184,13 @@ class ConsoleFleet:
         self.post("/api/v1/deployments", body, 201)
         for device in AGENTS:
             self.wait(
-                lambda d=device: self.active(d, model) == version,
+                functools.partial(self.runs, device, model, version),
                 f"{device} running {model} {version}",
                 90,
             )
+
+    def runs(self, device: str, model: str, version: str) -> bool:
+        return self.active(device, model) == version
 
     def create_rollout(self, model: str, stages: list[Json]) -> int:
         spec = {"model": model, "version": VERSION, "target": {"group": GROUP}, "stages": stages}
@@ -248,7 +252,8 @@ def _start_agent(state: Path, port: int, log: Path) -> subprocess.Popen[str]:
 def console_fleet(work: Path, digits: DigitsModels) -> Iterator[ConsoleFleet]:
     """Start the fleet described in the module docstring in ``work``; stop it at exit."""
     (work / "broker").mkdir()
-    with DynsecMosquittoBroker(work / "broker") as broker, stopped_at_exit() as procs:
+    broker = DynsecMosquittoBroker(work / "broker")
+    with broker, stopped_at_exit() as procs:
         set_default_acl_access(broker, dict.fromkeys(ACL_KINDS, False))
         data = work / "cp"
         token = init_control_plane(data, broker)

@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from tests.ui.axe import AXE_JS, blocking, describe, run_axe
-from tests.ui.browser import Tab
-from tests.ui.conftest import DESKTOP
+from tests.ui.browser import DESKTOP, Tab
 from tests.ui.fleet import AGENTS, ConsoleFleet
 from tests.ui.pages import NOT_HTML, Ids, fill, registered
 

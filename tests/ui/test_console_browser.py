@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.ui.browser import Tab, sign_in
-from tests.ui.conftest import DESKTOP
+from tests.ui.browser import DESKTOP, Tab, sign_in
 from tests.ui.fleet import AGENTS, GROUP, SENSOR, VERSION, ConsoleFleet
 from tests.ui.pages import TABLET_PAGES, Ids, main_paths
 
@@ -45,7 +44,7 @@ def _big(tab: Tab, card: str) -> str:
 
 
 def test_sign_in_through_the_form_and_see_the_agents_online(
-    browser: Browser, fleet: ConsoleFleet, artifacts: Path
+    browser: Browser, fleet: ConsoleFleet
 ) -> None:
     context = browser.new_context(viewport=DESKTOP)
     try:
@@ -62,8 +61,8 @@ def test_sign_in_through_the_form_and_see_the_agents_online(
         online = fleet.online()
         assert set(AGENTS) <= set(online)
         assert _big(tab, "fleet-online") == str(len(online))
-        offline = [d for d, v in fleet.devices().items() if v["status"] == "accepted"]
-        assert _big(tab, "fleet-offline") == str(len(offline) - len(online))
+        accepted = [d for d, v in fleet.devices().items() if v["status"] == "accepted"]
+        assert _big(tab, "fleet-offline") == str(len(accepted) - len(online))
         assert _big(tab, "fleet-pending") == str(len(fleet.pending()))
         assert tab.alerts() == [] and tab.csp_violations() == [], tab.errors
     finally:

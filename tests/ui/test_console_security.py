@@ -32,8 +32,7 @@ from mcp_edge.controlplane.db import Database, registry
 from mcp_edge.shared.signing import PrivateKey
 from mcp_edge.shared.version import SemVer
 from mcp_edge.tooling.processes import free_port
-from tests.ui.browser import Tab
-from tests.ui.conftest import DESKTOP
+from tests.ui.browser import DESKTOP, Tab
 from tests.ui.fleet import AGENTS, GROUP, ConsoleFleet
 from tests.ui.pages import Ids, html_pages, post_routes
 
