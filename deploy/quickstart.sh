@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The standalone quick start: install, make a real model, serve it with mcp-agent.
-#   bash deploy/quickstart.sh            # serves on http://127.0.0.1:8080 until Ctrl-C
+#   bash deploy/quickstart.sh            # serves on http://127.0.0.1:8000 until Ctrl-C
 #   PORT=9000 bash deploy/quickstart.sh
 #   bash deploy/quickstart.sh --smoke    # start, answer one request, stop (used by the tests)
 set -euo pipefail
@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 bash deploy/setup-venv.sh
 VENV=${MCP_VENV:-.venv}
-PORT=${PORT:-8080}
+PORT=${PORT:-8000}
 WORK=${MCP_QUICKSTART_DIR:-.cache/quickstart}
 
 echo "quickstart: training the digits model and packing a signed bundle in $WORK" >&2

@@ -147,7 +147,7 @@ def test_tampered_model_fails_naming_the_file(
 
     assert result.exit_code == 1
     assert result.stdout == ""
-    assert result.stderr.startswith(f"error: {bad}: {MODEL}: sha256 mismatch")
+    assert result.stderr.startswith(f"Error: {bad}: {MODEL}: sha256 mismatch")
     assert result.stderr.count("\n") == 1
 
 
@@ -209,7 +209,7 @@ def test_build_errors_are_one_line_and_exit_1(tmp_path: Path, digits: DigitsMode
         tmp_path / "x.mcpb",
     )
     assert bad_name.exit_code == 1
-    assert bad_name.stderr.startswith("error: invalid bundle name 'Bad Name'")
+    assert bad_name.stderr.startswith("Error: invalid bundle name 'Bad Name'")
     bad_constraint = run(
         "build", digits.onnx_path, "--name", "d", "--version", "1.0.0", "--constraint", "cpu=fast"
     )
