@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -125,15 +127,26 @@ class Tab:
         assert token, f"no CSRF token on {self.page.url}"
         return token
 
-    def screenshot(self, folder: Path, name: str, *, tablet: bool = False) -> Path:
-        """A full-page screenshot of the current page as ``folder/name.png``; with ``tablet``
-        also ``name-tablet.png`` at 768 x 1024 (the viewport is put back afterwards)."""
+    def screenshot(self, folder: Path, name: str) -> Path:
+        """A full-page screenshot of the current page as ``folder/name.png``."""
         path = folder / f"{name}.png"
         self.page.screenshot(path=str(path), full_page=True)
-        if tablet:
-            before = self.page.viewport_size
-            self.page.set_viewport_size(TABLET)
-            self.page.screenshot(path=str(folder / f"{name}-tablet.png"), full_page=True)
+        return path
+
+    @contextmanager
+    def viewport(self, size: ViewportSize) -> Iterator[None]:
+        """The page at ``size`` for the block, then at its size before."""
+        before = self.page.viewport_size
+        self.page.set_viewport_size(size)
+        try:
+            yield
+        finally:
             if before is not None:
                 self.page.set_viewport_size(before)
-        return path
+
+    def overflow_px(self) -> int:
+        """How far the page is wider than the window (> 0: it scrolls sideways)."""
+        wider: int = self.page.evaluate(
+            "() => document.documentElement.scrollWidth - window.innerWidth"
+        )
+        return wider
