@@ -129,6 +129,9 @@ async def test_list_filters_sorts_and_pages(plane: ConsolePlane) -> None:
     assert rows(page.text) == [f"cam-{i}" for i in range(7)]
     assert "1–7 of 7" in page.text and 'id="devices"' in page.text
     assert '<a href="/ui/devices/cam-0">cam-0</a>' in page.text
+    assert '<link rel="stylesheet" href="/ui/static/devices.css">' in page.text
+    async with cp.client.get("/ui/static/devices.css") as r:
+        assert r.status == 200 and r.content_type == "text/css"
 
     async def shown(query: str) -> list[str]:
         answer = await admin.get("/ui/devices?" + query)
