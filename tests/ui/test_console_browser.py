@@ -56,6 +56,9 @@ def test_sign_in_through_the_form_and_see_the_agents_online(
         for device in AGENTS:
             row = tab.page.locator(f'table#devices tr[data-device="{device}"]')
             assert row.is_visible() and "online" in row.inner_text(), row.inner_text()
+        tab.page.locator(f'tr[data-device="{AGENTS[0]}"] a').first.click()
+        tab.page.wait_for_url(re.compile(rf"/ui/devices/{AGENTS[0]}$"))
+        assert tab.page.inner_text("h1").strip() == AGENTS[0]
 
         tab.open("/ui/")
         online = fleet.online()
@@ -182,7 +185,7 @@ def test_a_drift_trigger_appears_live_and_is_acknowledged(
     )
     assert page.evaluate(MARKED), "the drift page was reloaded"
     shown = page.eval_on_selector_all(selector, "rows => rows.map(r => r.dataset.trigger)")
-    (new,) = [t for t in shown if t not in before]
+    new = max((t for t in shown if t not in before), key=int)
     trigger = next(t for t in fleet.triggers() if str(t["id"]) == new)
     assert trigger["model"] == SENSOR and AGENTS[1] in trigger["device_ids"], trigger
 
