@@ -34,7 +34,7 @@ LIVE_TIMEOUT_MS = 120_000
 """How long a live region may take to show what the fleet did (a rollout's devices download,
 verify and load a bundle; an agent's drift report goes through the broker)."""
 SETTLED = ["succeeded", "paused", "rolled_back", "aborted", "rolling_back"]
-"""The states a rollout started with no approval settles in when it does not succeed."""
+"""A rollout's states once it succeeded or will not (without a human's command)."""
 MARK = "() => { window.__consoleNotReloaded = true; }"
 MARKED = "() => window.__consoleNotReloaded === true"
 
