@@ -34,6 +34,7 @@ from sqlalchemy import (
     or_,
     select,
     true,
+    union_all,
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import aliased
@@ -540,14 +541,17 @@ class FilterChoices:
 
 
 async def filter_choices(tx: Tx) -> FilterChoices:
-    async def distinct(column: Any) -> list[str]:
-        rows = await tx.execute(
-            select(column).where(column.is_not(None)).distinct().order_by(column)
-        )
-        return [v for (v,) in rows]
-
-    return FilterChoices(
-        profiles=await distinct(Device.profile),
-        groups=await distinct(Device.group_name),
-        models=[m for (m,) in await tx.execute(select(Model.name).order_by(Model.name))],
-    )
+    """One query: the distinct profiles and groups (their indexes), and the model names."""
+    kinds = union_all(
+        select(literal("profile").label("kind"), Device.profile.label("value"))
+        .where(Device.profile.is_not(None))
+        .distinct(),
+        select(literal("group"), Device.group_name)
+        .where(Device.group_name.is_not(None))
+        .distinct(),
+        select(literal("model"), Model.name),
+    ).subquery()
+    found: dict[str, list[str]] = {"profile": [], "group": [], "model": []}
+    for kind, value in await tx.execute(select(kinds).order_by(kinds.c.kind, kinds.c.value)):
+        found[kind].append(value)
+    return FilterChoices(profiles=found["profile"], groups=found["group"], models=found["model"])

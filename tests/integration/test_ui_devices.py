@@ -130,6 +130,9 @@ async def test_list_filters_sorts_and_pages(plane: ConsolePlane) -> None:
     assert "1–7 of 7" in page.text and 'id="devices"' in page.text
     assert '<a href="/ui/devices/cam-0">cam-0</a>' in page.text
     assert '<link rel="stylesheet" href="/ui/static/devices.css">' in page.text
+    for choice in ("generic-x86_64", "rpi5", "digits"):  # the filters offer what exists
+        assert f'<option value="{choice}">{choice}</option>' in page.text, choice
+    assert '<option value="rpi5" selected>' in (await admin.get("/ui/devices?profile=rpi5")).text
     async with cp.client.get("/ui/static/devices.css") as r:
         assert r.status == 200 and r.content_type == "text/css"
 
