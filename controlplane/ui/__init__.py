@@ -67,7 +67,7 @@ def attach_ui(app: web.Application) -> None:
         return web.Response(body=body, content_type=kind, headers=headers)
 
     async def root(request: web.Request) -> web.StreamResponse:
-        raise web.HTTPSeeOther("/ui/")
+        raise web.HTTPSeeOther("/ui/", headers=SECURITY_HEADERS)
 
     async def not_found(request: web.Request) -> web.StreamResponse:
         found = await session_principal(request)

@@ -144,7 +144,7 @@ class Ctx:
         """A 303 to ``location`` (a path on this site), with an optional one-time message."""
         if not location.startswith("/") or location.startswith("//"):
             location = "/ui/"
-        response = web.Response(status=303, headers={"Location": location})
+        response = web.Response(status=303, headers={"Location": location, **SECURITY_HEADERS})
         if flash:
             response.set_cookie(
                 FLASH_COOKIE, urllib.parse.quote(flash[:300]), max_age=60, httponly=True,
@@ -330,7 +330,7 @@ def wrap(page: Page) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         if found is None:
             if request.method in ("GET", "HEAD"):
                 nxt = urllib.parse.quote(request.path_qs, safe="")
-                raise web.HTTPSeeOther(f"/ui/login?next={nxt}")
+                raise web.HTTPSeeOther(f"/ui/login?next={nxt}", headers=SECURITY_HEADERS)
             return error_page(request, 401, "your session has ended; sign in again")
         principal, token = found
         csrf = csrf_for(token)

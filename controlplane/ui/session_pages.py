@@ -64,7 +64,7 @@ def _login_page(
 
 async def login_form(request: web.Request) -> web.StreamResponse:
     if await session_principal(request) is not None:
-        raise web.HTTPSeeOther(_safe_next(request.query.get("next", "")))
+        raise web.HTTPSeeOther(_safe_next(request.query.get("next", "")), headers=SECURITY_HEADERS)
     return _login_page(request)
 
 
@@ -123,7 +123,7 @@ async def logout(ctx: Ctx) -> web.StreamResponse:
             target_type="api_token", target_id=token.id,
             detail={"prefix": token.prefix, "why": "signed out"},
         )  # fmt: skip
-    response = web.Response(status=303, headers={"Location": "/ui/login"})
+    response = web.Response(status=303, headers={"Location": "/ui/login", **SECURITY_HEADERS})
     response.del_cookie(SESSION_COOKIE, path="/")
     return response
 
@@ -156,7 +156,7 @@ async def revoke_own_token(ctx: Ctx) -> web.StreamResponse:
             target_type="api_token", target_id=token_id, detail={"prefix": token.prefix},
         )  # fmt: skip
     if token_id == ctx.principal.token_id:
-        response = web.Response(status=303, headers={"Location": "/ui/login"})
+        response = web.Response(status=303, headers={"Location": "/ui/login", **SECURITY_HEADERS})
         response.del_cookie(SESSION_COOKIE, path="/")
         return response
     return ctx.redirect("/ui/account", f"revoked {token.prefix}…")
