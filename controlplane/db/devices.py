@@ -38,6 +38,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import aliased
+from sqlalchemy.sql.selectable import Subquery
 
 from mcp_edge.controlplane.db.engine import Tx
 from mcp_edge.controlplane.db.errors import NotFoundError
@@ -254,27 +255,24 @@ def _filtered(query: Select[Any], f: DeviceFilter, dialect: str) -> Select[Any]:
     return query
 
 
-@dataclass(frozen=True)
-class _Reported:
-    """Every model in every reported state, each document parsed once: ``query`` selects from
-    its rows (objects with a name only), ``name`` and ``active`` are their fields."""
-
-    query: Select[Any]
-    name: ColumnElement[Any]
-    active: ColumnElement[Any]
-
-
-def _reported_models(dialect: str) -> _Reported:
+def _reported_models(dialect: str, *, mentioning: str | None = None) -> Subquery:
+    """Every model in every reported state as rows ``(device_id, name, active)``, each document
+    parsed once and each field read once; elements that are not objects are left out (a
+    document whose ``models`` is not an array has none). ``mentioning``: only the documents
+    whose text holds that name as a JSON string (a model name is an identifier, which JSON
+    writes without escapes), so the others are not parsed."""
     rs = ReportedStateRow
     if dialect == "sqlite":
-        each = func.json_each(rs.document, "$.models").table_valued("value", "type").alias("rm")
+        each = func.json_each(rs.document, "$.models").table_valued("key", "value", "type")
+        each = each.alias("rm")
         name: ColumnElement[Any] = func.json_extract(each.c.value, "$.name")
         active: ColumnElement[Any] = func.json_extract(each.c.value, "$.active_version")
-        query = (
-            select(rs.device_id)
+        elements = (
+            select(rs.device_id, name.label("name"), active.label("active"))
             .select_from(rs)
             .join(each, true())
-            .where(func.json_type(rs.document, "$.models") == "array", each.c.type == "object")
+            # an array's members have whole-number keys; an object's have names
+            .where(func.typeof(each.c.key) == "integer", each.c.type == "object")
         )
     else:  # the document is json (text): parse it once, into jsonb, whose fields read cheaply
         binary = cast(rs.document, postgresql.JSONB).op("->")("models")
@@ -284,16 +282,21 @@ def _reported_models(dialect: str) -> _Reported:
             else_=cast(literal("[]"), postgresql.JSONB),
         )
         each = func.jsonb_array_elements(array).table_valued("value").alias("rm")
-        name = each.c.value.op("->>")("name")
-        active = each.c.value.op("->>")("active_version")
-        query = (
-            select(rs.device_id)
+        elements = (
+            select(
+                rs.device_id,
+                each.c.value.op("->>")("name").label("name"),
+                each.c.value.op("->>")("active_version").label("active"),
+            )
             .select_from(rs)
             .join(models, true())
             .join(each, true())
             .where(func.jsonb_typeof(each.c.value) == "object")
         )
-    return _Reported(query.where(name.is_not(None)), name, active)
+    if mentioning is not None:
+        pattern = f'%"{_like_escaped(mentioning)}"%'
+        elements = elements.where(cast(rs.document, String).like(pattern, escape="\\"))
+    return elements.subquery("reported")
 
 
 def _like_escaped(text: str) -> str:
@@ -301,15 +304,10 @@ def _like_escaped(text: str) -> str:
 
 
 def _with_model(model: str, dialect: str) -> Select[Any]:
-    """The ids of the devices told to run ``model`` or reporting it. Only the reported states
-    whose text holds the name as a JSON string are parsed (a model name is an identifier,
-    which JSON writes without escapes)."""
-    r = _reported_models(dialect)
+    """The ids of the devices told to run ``model`` or reporting it."""
+    r = _reported_models(dialect, mentioning=model)
     told = select(DeviceModelRow.device_id).where(DeviceModelRow.model == model)
-    mentions = cast(ReportedStateRow.document, String).like(
-        f'%"{_like_escaped(model)}"%', escape="\\"
-    )
-    return told.union(r.query.where(mentions, r.name == model))  # type: ignore[return-value]
+    return told.union(select(r.c.device_id).where(r.c.name == model))  # type: ignore[return-value]
 
 
 _UNDESIRED = 1000
@@ -331,12 +329,14 @@ def _out_of_sync(dialect: str) -> Select[Any]:
     r = _reported_models(dialect)
     wanted = aliased(DeviceModelRow, name="wanted")
     points = case(
-        (wanted.model.is_(None), _UNDESIRED), (r.active == wanted.stable_version, 1), else_=0
+        (wanted.model.is_(None), _UNDESIRED), (r.c.active == wanted.stable_version, 1), else_=0
     )
     scores = (
-        r.query.outerjoin(wanted, and_(wanted.device_id == rs.device_id, wanted.model == r.name))
-        .with_only_columns(rs.device_id.label("device_id"), func.sum(points).label("score"))
-        .group_by(rs.device_id)
+        select(r.c.device_id, func.sum(points).label("score"))
+        .select_from(r)
+        .outerjoin(wanted, and_(wanted.device_id == r.c.device_id, wanted.model == r.c.name))
+        .where(r.c.name.is_not(None))
+        .group_by(r.c.device_id)
         .subquery("scores")
     )
     told = (
