@@ -38,7 +38,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import aliased
-from sqlalchemy.sql.selectable import Subquery
+from sqlalchemy.sql.selectable import CTE, Subquery
 
 from mcp_edge.controlplane.db.engine import Tx
 from mcp_edge.controlplane.db.errors import NotFoundError
@@ -53,6 +53,8 @@ from mcp_edge.controlplane.db.models import (
     ReportedStateRow,
 )
 
+Reported = Subquery | CTE
+"""Rows ``(device_id, name, active)`` of reported models (:func:`_reported_models`)."""
 SORTS = ("id", "status", "profile", "last_seen")
 """What :func:`list_devices` orders by (then by id)."""
 
@@ -247,15 +249,19 @@ def _filtered(query: Select[Any], f: DeviceFilter, dialect: str) -> Select[Any]:
     if f.search:
         pattern = "%" + _like_escaped(f.search) + "%"
         query = query.where(Device.id.like(pattern, escape="\\"))
+    # Both filters read the reported models: then once, for both (a common table expression).
+    shared = None
+    if f.model is not None and f.in_sync is not None:
+        shared = _reported_models(dialect).cte("reported")
     if f.model is not None:
-        query = query.where(Device.id.in_(_with_model(f.model, dialect)))
+        query = query.where(Device.id.in_(_with_model(f.model, dialect, shared)))
     if f.in_sync is not None:
-        out = _out_of_sync(dialect)
+        out = _out_of_sync(dialect, shared)
         query = query.where(Device.id.not_in(out) if f.in_sync else Device.id.in_(out))
     return query
 
 
-def _reported_models(dialect: str, *, mentioning: str | None = None) -> Subquery:
+def _reported_models(dialect: str, *, mentioning: str | None = None) -> Select[Any]:
     """Every model in every reported state as rows ``(device_id, name, active)``, each document
     parsed once and each field read once; elements that are not objects are left out (a
     document whose ``models`` is not an array has none). ``mentioning``: only the documents
@@ -296,16 +302,17 @@ def _reported_models(dialect: str, *, mentioning: str | None = None) -> Subquery
     if mentioning is not None:
         pattern = f'%"{_like_escaped(mentioning)}"%'
         elements = elements.where(cast(rs.document, String).like(pattern, escape="\\"))
-    return elements.subquery("reported")
+    return elements
 
 
 def _like_escaped(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-def _with_model(model: str, dialect: str) -> Select[Any]:
-    """The ids of the devices told to run ``model`` or reporting it."""
-    r = _reported_models(dialect, mentioning=model)
+def _with_model(model: str, dialect: str, reported: Reported | None = None) -> Select[Any]:
+    """The ids of the devices told to run ``model`` or reporting it (in ``reported``, else in
+    the reported states that mention it)."""
+    r = reported if reported is not None else _reported_models(dialect, mentioning=model).subquery()
     told = select(DeviceModelRow.device_id).where(DeviceModelRow.model == model)
     return told.union(select(r.c.device_id).where(r.c.name == model))  # type: ignore[return-value]
 
@@ -316,7 +323,7 @@ _UNDESIRED = 1000
 64 models)."""
 
 
-def _out_of_sync(dialect: str) -> Select[Any]:
+def _out_of_sync(dialect: str, reported: Reported | None = None) -> Select[Any]:
     """The ids of the devices with a model that is not in sync: told to run models without
     having applied the newest document, not reporting a desired model's stable version active,
     or reporting a model they were not told to run.
@@ -326,7 +333,7 @@ def _out_of_sync(dialect: str) -> Select[Any]:
     stable version and :data:`_UNDESIRED` when the device was not told to run it, so a device
     is in sync exactly when its score equals the number of models it was told to run."""
     dm, ds, rs = DeviceModelRow, DesiredStateRow, ReportedStateRow
-    r = _reported_models(dialect)
+    r = reported if reported is not None else _reported_models(dialect).subquery()
     wanted = aliased(DeviceModelRow, name="wanted")
     points = case(
         (wanted.model.is_(None), _UNDESIRED), (r.c.active == wanted.stable_version, 1), else_=0
