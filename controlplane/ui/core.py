@@ -35,6 +35,7 @@ from markupsafe import Markup
 
 from mcp_edge.controlplane.api.common import ApiError, Services, enrollment_code, services
 from mcp_edge.controlplane.auth import SESSION_COOKIE, AuthError, Principal, Role, authenticate
+from mcp_edge.controlplane.broker.base import BrokerAdminError
 from mcp_edge.controlplane.db import ConflictError, NotFoundError, UnavailableError
 from mcp_edge.controlplane.enrollment_service import EnrollmentError
 from mcp_edge.shared.errors import MessageError, ProtocolError
@@ -307,6 +308,9 @@ def _error_status(e: Exception) -> tuple[int, str]:
         return 400, str(e)
     if isinstance(e, UnavailableError):
         return 503, "the database is unavailable; retry later"
+    if isinstance(e, BrokerAdminError):
+        log.warning("broker provisioning failed: %s", e)
+        return 503, f"the broker did not take the change: {e}"
     log.exception("console page failed", exc_info=e)
     return 500, f"internal error ({type(e).__name__}); the control plane's log has the details"
 

@@ -126,7 +126,7 @@ def test_tokens_devices_and_users_through_the_cli(fleet: Fleet, tmp_path: Path) 
 
     labelled = fleet.run("devices", "label", "cam-a", "env=prod", "rack-").stdout
     assert labelled.strip() == "cam-a: env=prod,site=f1"
-    shown = json.loads(fleet.run("devices", "show", "cam-a").stdout)
+    shown = json.loads(fleet.run("devices", "show", "cam-a", "--json").stdout)
     assert shown["labels"] == {"env": "prod", "site": "f1"} and shown["facts"]["os"] == "linux"
 
     assert "revoked" in fleet.run("devices", "revoke", "cam-b", "--reason", "stolen").stdout
