@@ -29,7 +29,7 @@ import click
 import numpy as np
 import orjson
 
-from mcp_edge.controlplane.cli.client import api_options, print_json, print_table
+from mcp_edge.controlplane.cli.client import ApiCallError, api_options, print_json, print_table
 from mcp_edge.shared.bundle._progress import progress_bar
 
 DOWNLOAD_CHUNK = 256 * 1024
@@ -68,7 +68,12 @@ def _refusal(status: int, raw: bytes) -> click.ClickException:
     except orjson.JSONDecodeError:
         answer = None
     message = answer.get("error") if isinstance(answer, dict) else None
-    return click.ClickException(f"{message or 'request failed'} (HTTP {status})")
+    code = answer.get("code") if isinstance(answer, dict) else None
+    return ApiCallError(
+        f"{message or 'request failed'} (HTTP {status})",
+        code=code if isinstance(code, str) else "failed",
+        status=status,
+    )
 
 
 async def _json(
