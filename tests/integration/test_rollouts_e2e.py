@@ -65,6 +65,7 @@ from mcp_edge.tooling.processes import (
     wait_until,
 )
 from tests.integration.conftest import ACL_KINDS, set_default_acl_access
+from tests.support.rest import AdminRest
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,7 +114,7 @@ Json = dict[str, Any]
 
 # ---------------------------------------------------------------------------- the fleet
 @dataclass
-class Fleet:
+class Fleet(AdminRest):
     """The running control plane and agents, and the REST calls the tests make."""
 
     url: str
@@ -122,29 +123,6 @@ class Fleet:
     work: Path
     ports: dict[str, int]
     logs: dict[str, Path]
-
-    def call(self, method: str, path: str, body: Json | None = None) -> tuple[int, Any]:
-        """One REST call as the admin; (status, decoded JSON answer) whatever the status."""
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Authorization": f"Bearer {self.token}"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(self.url + path, data, headers, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=15) as answer:
-                return answer.status, json.loads(answer.read() or b"null")
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"null")
-
-    def get(self, path: str) -> Any:
-        status, answer = self.call("GET", path)
-        assert status == 200, f"GET {path}: {status} {answer}"
-        return answer
-
-    def post(self, path: str, body: Json, expect: int = 200) -> Any:
-        status, answer = self.call("POST", path, body)
-        assert status == expect, f"POST {path}: {status} {answer}"
-        return answer
 
     def log_tail(self, chars: int = 4000) -> str:
         """The end of each process's log, for a failure's message."""

@@ -45,6 +45,7 @@ from mcp_edge.tooling.processes import (
     wait_until,
 )
 from tests.integration.conftest import ACL_KINDS, set_default_acl_access
+from tests.support.rest import AdminRest
 
 GROUP = "ui-lab"
 AGENTS = ("edge-1", "edge-2")
@@ -61,7 +62,7 @@ Json = dict[str, Any]
 
 
 @dataclass
-class ConsoleFleet:
+class ConsoleFleet(AdminRest):
     """The running control plane and agents, and REST calls as the admin."""
 
     url: str
@@ -72,30 +73,6 @@ class ConsoleFleet:
     logs: dict[str, Path] = field(default_factory=dict)
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
     admin_password: str = ADMIN_PASSWORD
-
-    # -------------------------------------------------------------- REST
-    def call(self, method: str, path: str, body: Json | None = None) -> tuple[int, Any]:
-        """One REST call as the admin; (status, decoded JSON answer) whatever the status."""
-        data = json.dumps(body).encode() if body is not None else None
-        headers = {"Authorization": f"Bearer {self.token}"}
-        if data is not None:
-            headers["Content-Type"] = "application/json"
-        request = urllib.request.Request(self.url + path, data, headers, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=15) as answer:
-                return answer.status, json.loads(answer.read() or b"null")
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read() or b"null")
-
-    def get(self, path: str) -> Any:
-        status, answer = self.call("GET", path)
-        assert status == 200, f"GET {path}: {status} {answer}"
-        return answer
-
-    def post(self, path: str, body: Json, expect: int = 200) -> Any:
-        status, answer = self.call("POST", path, body)
-        assert status == expect, f"POST {path}: {status} {answer}"
-        return answer
 
     def wait(self, predicate: Callable[[], Any], what: str, timeout_s: float) -> None:
         """:func:`wait_until`, with the processes' logs in the failure."""
