@@ -406,7 +406,8 @@ async def test_openapi_health_metrics_and_schema(cp: ControlPlane) -> None:
     routes = {
         (r.method.lower(), r.resource.canonical)
         for r in cp.client.server.app.router.routes()
-        if r.resource is not None and r.method != "HEAD"
+        if r.resource is not None
+        and r.method != "HEAD"
         # The console's pages are HTML for browsers (docs/console.md), not the REST API.
         and r.resource.canonical != "/"
         and not r.resource.canonical.startswith("/ui/")
