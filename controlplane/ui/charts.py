@@ -60,7 +60,9 @@ def line_chart(
     points = [p for s in series for p in s.points if math.isfinite(p[1])]
     if not points:
         return Markup('<p class="empty">{}: no data yet.</p>').format(title)
-    left, right, top, bottom = 56, 12, 22, 28
+    legend_rows = (len(series) + 2) // 3
+    left, right, top, bottom = 56, 12, 26 + 14 * legend_rows, 28
+    height += 14 * legend_rows
     xs = [_ts(p[0]) for p in points]
     ys = [p[1] for p in points] + [t.value for t in thresholds]
     x0, x1 = min(xs), max(xs)
@@ -119,8 +121,8 @@ def line_chart(
             parts.append(
                 f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>'
             )
-        lx = left + 8 + (i % 3) * 190
-        ly = top + 12 + (i // 3) * 14
+        lx = left + (i % 3) * 190
+        ly = 34 + (i // 3) * 14
         parts.append(f'<rect x="{lx}" y="{ly - 8}" width="10" height="3" fill="{colour}"/>')
         parts.append(f'<text x="{lx + 14}" y="{ly - 4}">{escape(s.name)}</text>')
     parts.append("</svg>")
