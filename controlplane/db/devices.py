@@ -7,8 +7,9 @@ Whether a device runs what it was told (:class:`ModelSync`, :func:`model_sync`) 
 desired models (``device_models``, the newest signed document's ``seq``) with its last
 reported state (``device_reported``): a model is in sync when the device applied the newest
 document and reports the desired stable version active. :func:`list_devices` filters on that
-in SQL (the reported models are read with the database's JSON functions), so a page of a large
-fleet never loads the fleet.
+in SQL, joining ``device_models`` with the reported models kept beside each document
+(``device_reported_models``, :func:`reported_model_rows`) on their indexes, so a page of a
+large fleet never loads the fleet nor reads its documents.
 """
 
 from __future__ import annotations
@@ -20,25 +21,17 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
-    ColumnElement,
     Select,
-    String,
     and_,
-    case,
-    cast,
     delete,
     exists,
     func,
     insert,
     literal,
-    or_,
     select,
-    true,
     union_all,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import aliased
-from sqlalchemy.sql.selectable import CTE, Subquery
 
 from mcp_edge.controlplane.db.engine import Tx
 from mcp_edge.controlplane.db.errors import NotFoundError
@@ -50,11 +43,10 @@ from mcp_edge.controlplane.db.models import (
     DeviceModelRow,
     InferenceStatsRow,
     Model,
+    ReportedModelRow,
     ReportedStateRow,
 )
 
-Reported = Subquery | CTE
-"""Rows ``(device_id, name, active)`` of reported models (:func:`_reported_models`)."""
 SORTS = ("id", "status", "profile", "last_seen")
 """What :func:`list_devices` orders by (then by id)."""
 
@@ -225,7 +217,7 @@ async def replace_labels(tx: Tx, device_id: str, labels: Mapping[str, str]) -> N
         )
 
 
-def _filtered(query: Select[Any], f: DeviceFilter, dialect: str) -> Select[Any]:
+def _filtered(query: Select[Any], f: DeviceFilter) -> Select[Any]:
     for key, value in (f.labels or {}).items():
         query = query.where(
             exists().where(
@@ -249,123 +241,94 @@ def _filtered(query: Select[Any], f: DeviceFilter, dialect: str) -> Select[Any]:
     if f.search:
         pattern = "%" + _like_escaped(f.search) + "%"
         query = query.where(Device.id.like(pattern, escape="\\"))
-    # Both filters read the reported models: then once, for both (a common table expression).
-    shared = None
-    if f.model is not None and f.in_sync is not None:
-        shared = _reported_models(dialect).cte("reported")
     if f.model is not None:
-        query = query.where(Device.id.in_(_with_model(f.model, dialect, shared)))
+        query = query.where(Device.id.in_(_with_model(f.model)))
     if f.in_sync is not None:
-        out = _out_of_sync(dialect, shared)
+        out = _out_of_sync()
         query = query.where(Device.id.not_in(out) if f.in_sync else Device.id.in_(out))
     return query
 
 
-def _reported_models(dialect: str, *, mentioning: str | None = None) -> Select[Any]:
-    """Every model in every reported state as rows ``(device_id, name, active)``, each document
-    parsed once and each field read once; elements that are not objects are left out (a
-    document whose ``models`` is not an array has none). ``mentioning``: only the documents
-    whose text holds that name as a JSON string (a model name is an identifier, which JSON
-    writes without escapes), so the others are not parsed."""
-    rs = ReportedStateRow
-    if dialect == "sqlite":
-        each = func.json_each(rs.document, "$.models").table_valued("key", "value", "type")
-        each = each.alias("rm")
-        name: ColumnElement[Any] = func.json_extract(each.c.value, "$.name")
-        active: ColumnElement[Any] = func.json_extract(each.c.value, "$.active_version")
-        elements = (
-            select(rs.device_id, name.label("name"), active.label("active"))
-            .select_from(rs)
-            .join(each, true())
-            # an array's members have whole-number keys; an object's have names
-            .where(func.typeof(each.c.key) == "integer", each.c.type == "object")
-        )
-    else:  # the document is json (text): parse it once, into jsonb, whose fields read cheaply
-        binary = cast(rs.document, postgresql.JSONB).op("->")("models")
-        models = select(binary.label("m")).correlate(rs).lateral("rmodels")
-        array = case(
-            (func.jsonb_typeof(models.c.m) == "array", models.c.m),
-            else_=cast(literal("[]"), postgresql.JSONB),
-        )
-        each = func.jsonb_array_elements(array).table_valued("value").alias("rm")
-        elements = (
-            select(
-                rs.device_id,
-                each.c.value.op("->>")("name").label("name"),
-                each.c.value.op("->>")("active_version").label("active"),
-            )
-            .select_from(rs)
-            .join(models, true())
-            .join(each, true())
-            .where(func.jsonb_typeof(each.c.value) == "object")
-        )
-    if mentioning is not None:
-        pattern = f'%"{_like_escaped(mentioning)}"%'
-        elements = elements.where(cast(rs.document, String).like(pattern, escape="\\"))
-    return elements
+MODEL_NAME_MAX = 64
+"""The longest model name (``device_models.model``); a longer reported name is no model."""
+VERSION_MAX = 128
+"""The longest version text; a longer reported active version counts as none."""
+
+
+def reported_models(document: Any) -> dict[str, Mapping[str, Any]]:
+    """The models of a reported-state document by name: the objects of its ``models`` array
+    whose ``name`` is text of at most :data:`MODEL_NAME_MAX` characters (the last wins when a
+    name repeats). Anything else (``models`` not an array, other members) holds no model.
+
+    The one reading of a document that :func:`model_sync` and the ``device_reported_models``
+    rows (:func:`reported_model_rows`) both use."""
+    models = document.get("models") if isinstance(document, dict) else None
+    return {
+        m["name"]: m
+        for m in (models if isinstance(models, list) else [])
+        if isinstance(m, dict)
+        and isinstance(m.get("name"), str)
+        and 0 < len(m["name"]) <= MODEL_NAME_MAX
+    }
+
+
+def active_version(status: Mapping[str, Any] | None) -> str | None:
+    """A reported model's active version: text of at most :data:`VERSION_MAX` characters."""
+    value = _text(status, "active_version")
+    return value if value is not None and len(value) <= VERSION_MAX else None
+
+
+def reported_model_rows(device_id: str, document: Any) -> list[dict[str, Any]]:
+    """The ``device_reported_models`` rows of one device's reported-state document."""
+    return [
+        {"device_id": device_id, "model": name, "active_version": active_version(status)}
+        for name, status in reported_models(document).items()
+    ]
 
 
 def _like_escaped(text: str) -> str:
     return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
-def _with_model(model: str, dialect: str, reported: Reported | None = None) -> Select[Any]:
-    """The ids of the devices told to run ``model`` or reporting it (in ``reported``, else in
-    the reported states that mention it)."""
-    r = reported if reported is not None else _reported_models(dialect, mentioning=model).subquery()
+def _with_model(model: str) -> Select[Any]:
+    """The ids of the devices told to run ``model`` or reporting it (two index lookups)."""
     told = select(DeviceModelRow.device_id).where(DeviceModelRow.model == model)
-    return told.union(select(r.c.device_id).where(r.c.name == model))  # type: ignore[return-value]
+    rm = ReportedModelRow
+    return told.union(select(rm.device_id).where(rm.model == model))  # type: ignore[return-value]
 
 
-_UNDESIRED = 1000
-"""What a reported model the device was not told to run adds to a device's score in
-:func:`_out_of_sync` (more than a device can be told to run: a reported state lists at most
-64 models)."""
+def _out_of_sync() -> Select[Any]:
+    """The ids of the devices with a model that is not in sync (:func:`model_sync`): told to
+    run a model without reporting its stable version active, told to run models without having
+    applied the newest document, or reporting a model they were not told to run.
 
-
-def _out_of_sync(dialect: str, reported: Reported | None = None) -> Select[Any]:
-    """The ids of the devices with a model that is not in sync: told to run models without
-    having applied the newest document, not reporting a desired model's stable version active,
-    or reporting a model they were not told to run.
-
-    One pass over the fleet's reported models, joined by hash or index, whatever the other
-    filters (no per-device subquery): each reported model scores 1 when it runs its desired
-    stable version and :data:`_UNDESIRED` when the device was not told to run it, so a device
-    is in sync exactly when its score equals the number of models it was told to run."""
-    dm, ds, rs = DeviceModelRow, DesiredStateRow, ReportedStateRow
-    r = reported if reported is not None else _reported_models(dialect).subquery()
+    Three anti-joins of ``device_models`` and ``device_reported_models`` on their keys, the
+    same whatever the other filters (no per-device subquery, no document read)."""
+    dm, ds, rs, rm = DeviceModelRow, DesiredStateRow, ReportedStateRow, ReportedModelRow
+    running = aliased(ReportedModelRow, name="running")
+    not_running = (
+        select(dm.device_id)
+        .outerjoin(
+            running,
+            and_(
+                running.device_id == dm.device_id,
+                running.model == dm.model,
+                running.active_version == dm.stable_version,
+            ),
+        )
+        .where(running.device_id.is_(None))
+    )
     wanted = aliased(DeviceModelRow, name="wanted")
-    points = case(
-        (wanted.model.is_(None), _UNDESIRED), (r.c.active == wanted.stable_version, 1), else_=0
-    )
-    scores = (
-        select(r.c.device_id, func.sum(points).label("score"))
-        .select_from(r)
-        .outerjoin(wanted, and_(wanted.device_id == r.c.device_id, wanted.model == r.c.name))
-        .where(r.c.name.is_not(None))
-        .group_by(r.c.device_id)
-        .subquery("scores")
-    )
-    told = (
-        select(dm.device_id.label("device_id"), func.count().label("n"))
-        .group_by(dm.device_id)
-        .subquery("told")
+    not_told = (
+        select(rm.device_id)
+        .outerjoin(wanted, and_(wanted.device_id == rm.device_id, wanted.model == rm.model))
+        .where(wanted.device_id.is_(None))
     )
     current = (
         select(ds.device_id).join(rs, rs.device_id == ds.device_id).where(rs.applied_seq >= ds.seq)
     )
-    fleet = aliased(Device, name="fleet")
-    return (
-        select(fleet.id)
-        .outerjoin(told, told.c.device_id == fleet.id)
-        .outerjoin(scores, scores.c.device_id == fleet.id)
-        .where(
-            or_(
-                func.coalesce(scores.c.score, 0) != func.coalesce(told.c.n, 0),
-                and_(told.c.n.is_not(None), fleet.id.not_in(current)),
-            )
-        )
-    )
+    behind = select(dm.device_id).where(dm.device_id.not_in(current))
+    return union_all(not_running, not_told, behind)  # type: ignore[return-value]
 
 
 def _order(sort: str, descending: bool) -> list[Any]:
@@ -400,19 +363,15 @@ async def list_devices(
     """One page of matching devices in ``sort`` order (one of :data:`SORTS`), and the total
     number that match. One statement chooses the page's ids and counts the matches (a filter
     on sync state is evaluated once); only the page's rows are then read."""
-    dialect = tx.get_bind().dialect.name
     ids_and_total = typing.cast(Select[Any], select(Device.id, func.count().over().label("total")))
     page = (
-        _filtered(ids_and_total, f, dialect)
-        .order_by(*_order(sort, descending))
-        .limit(limit)
-        .offset(offset)
+        _filtered(ids_and_total, f).order_by(*_order(sort, descending)).limit(limit).offset(offset)
     )
     found = (await tx.execute(page)).all()
     if found:
         total = int(found[0].total)
     else:  # past the last page (or nothing matches): count alone
-        counted = _filtered(select(func.count()).select_from(Device), f, dialect)
+        counted = _filtered(select(func.count()).select_from(Device), f)
         total = int((await tx.execute(counted)).scalar_one()) if offset else 0
     ids = [row.id for row in found]
     if not ids:
@@ -462,17 +421,11 @@ async def model_sync(tx: Tx, device_ids: Iterable[str]) -> dict[str, list[ModelS
     )
     documents = await tx.execute(select(ds.device_id, ds.seq).where(ds.device_id.in_(ids)))
     seqs = {d: int(seq) for d, seq in documents}
-    reported: dict[str, tuple[int, dict[str, dict[str, Any]]]] = {}
+    reported: dict[str, tuple[int, dict[str, Mapping[str, Any]]]] = {}
     for device_id, applied, document in await tx.execute(
         select(rs.device_id, rs.applied_seq, rs.document).where(rs.device_id.in_(ids))
     ):
-        models = document.get("models") if isinstance(document, dict) else None
-        by_name = {
-            m["name"]: m
-            for m in (models if isinstance(models, list) else [])
-            if isinstance(m, dict) and isinstance(m.get("name"), str)
-        }
-        reported[device_id] = (int(applied), by_name)
+        reported[device_id] = (int(applied), reported_models(document))
     told: dict[str, list[tuple[str, str, str | None]]] = {i: [] for i in ids}
     for device_id, model, stable, canary in desired:
         told[device_id].append((model, stable, canary))
@@ -483,15 +436,13 @@ async def model_sync(tx: Tx, device_ids: Iterable[str]) -> dict[str, list[ModelS
         current = seq is not None and applied is not None and applied >= seq
         for model, stable, canary in told[device_id]:
             status = by_name.pop(model, None)
-            active = _text(status, "active_version")
+            active = active_version(status)
             out[device_id].append(
                 ModelSync(model, stable, canary, active, _text(status, "phase"),
                           current and active == stable)
             )  # fmt: skip
         out[device_id].extend(
-            ModelSync(
-                name, None, None, _text(status, "active_version"), _text(status, "phase"), False
-            )
+            ModelSync(name, None, None, active_version(status), _text(status, "phase"), False)
             for name, status in sorted(by_name.items())
         )
     return out

@@ -296,6 +296,22 @@ class ReportedStateRow(Base):
     document: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
 
+class ReportedModelRow(Base):
+    """One model in a device's latest reported state (migration ``0009``): its name and the
+    version it reports active (None: none), kept with the document by
+    ``controlplane.db.telemetry.upsert_reported`` so that filters on models and sync state are
+    index lookups instead of reading every document."""
+
+    __tablename__ = "device_reported_models"
+    __table_args__ = (
+        Index("ix_device_reported_models_model_active_version", "model", "active_version"),
+    )
+
+    device_id: Mapped[str] = mapped_column(String(64), _device_fk(), primary_key=True)
+    model: Mapped[str] = mapped_column(String(64), primary_key=True)
+    active_version: Mapped[str | None] = mapped_column(String(128))
+
+
 # ---------------------------------------------------------------------------- registry (0003)
 # The model registry behind the TUF repository (controlplane.repository): publisher keys,
 # models and their versions. A version is one signed bundle, published as one TUF target.

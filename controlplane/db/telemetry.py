@@ -38,12 +38,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import postgresql, sqlite
 
+from mcp_edge.controlplane.db.devices import reported_model_rows
 from mcp_edge.controlplane.db.engine import Tx
 from mcp_edge.controlplane.db.models import (
     DeploymentEventRow,
     Device,
     HealthSampleRow,
     InferenceStatsRow,
+    ReportedModelRow,
     ReportedStateRow,
 )
 
@@ -53,6 +55,7 @@ DOWNSAMPLE_BUCKET_S = 300
 HEALTH = typing.cast(Table, HealthSampleRow.__table__)
 INFERENCE = typing.cast(Table, InferenceStatsRow.__table__)
 DEVICES = typing.cast(Table, Device.__table__)
+REPORTED_MODELS = typing.cast(Table, ReportedModelRow.__table__)
 
 
 def _dialect_insert(tx: Tx, table: Any) -> Any:
@@ -101,7 +104,11 @@ async def insert_events(tx: Tx, rows: Sequence[Row]) -> int:
 
 
 async def upsert_reported(tx: Tx, rows: Sequence[Row]) -> int:
-    """Store each device's latest reported state (one row per device, replaced)."""
+    """Store each device's latest reported state (one row per device, replaced) and, in the
+    same transaction, the models it lists (``device_reported_models``, replaced; see
+    :func:`controlplane.db.devices.reported_model_rows`): an upsert, a delete per thousand
+    devices and an insert. The upsert comes first, so on PostgreSQL the devices' rows are
+    locked before their models are replaced."""
     if not rows:
         return 0
     stmt = _dialect_insert(tx, ReportedStateRow.__table__)
@@ -110,6 +117,15 @@ async def upsert_reported(tx: Tx, rows: Sequence[Row]) -> int:
         set_={c: stmt.excluded[c] for c in ("ts", "received_at", "applied_seq", "document")},
     )
     await tx.execute(stmt, list(rows))
+    latest = {row["device_id"]: row["document"] for row in rows}  # the last one of a device
+    models = REPORTED_MODELS
+    ids = list(latest)
+    for start in range(0, len(ids), 1000):  # bound the statement's parameters
+        chunk = ids[start : start + 1000]
+        await tx.execute(delete(models).where(models.c.device_id.in_(chunk)))
+    listed = [m for d, doc in latest.items() for m in reported_model_rows(d, doc)]
+    if listed:
+        await tx.execute(insert(models), listed)
     return len(rows)
 
 

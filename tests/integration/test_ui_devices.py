@@ -13,19 +13,24 @@ from __future__ import annotations
 import html
 import random
 import re
+import typing
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
+from alembic import command
+from sqlalchemy import Table, insert, inspect, select
 
 from mcp_edge.controlplane.api.common import SERVICES
-from mcp_edge.controlplane.db import Database, registry
+from mcp_edge.controlplane.db import Database, registry, upgrade_head
 from mcp_edge.controlplane.db import devices as device_q
 from mcp_edge.controlplane.db import drift as drift_q
 from mcp_edge.controlplane.db import telemetry as telemetry_q
 from mcp_edge.controlplane.db.devices import DeviceFilter
+from mcp_edge.controlplane.db.migrate import alembic_config, schema_differences
+from mcp_edge.controlplane.db.models import ReportedModelRow, ReportedStateRow
 from mcp_edge.shared.signing import PrivateKey
 from tests.support.console import ConsolePlane, console_plane, user_console
 from tests.support.controlplane import ControlPlane
@@ -255,6 +260,76 @@ async def test_the_sync_filter_agrees_with_each_device_s_models(plane: ConsolePl
         assert {m["model"]: m["in_sync"] for m in view["items"]} == {
             m["model"]: m["in_sync"] for m in item["models"]
         }
+
+
+async def test_a_new_report_replaces_the_models_the_filters_see(plane: ConsolePlane) -> None:
+    cp, admin = plane.cp, plane.admin
+    await publish(cp, "a", "1.0.0")
+    await publish(cp, "b", "1.0.0")
+    await enroll(cp, "cam-1")
+    await enroll(cp, "cam-2")
+    await report(cp, "cam-1", [active("a", "1.0.0")], applied_seq=0)
+    await report(cp, "cam-2", [], applied_seq=0)
+    assert rows((await admin.get("/ui/devices?model=a")).text) == ["cam-1"]
+    assert rows((await admin.get("/ui/devices?sync=out")).text) == ["cam-1"]
+    long_name = "c" * (device_q.MODEL_NAME_MAX + 1)
+    await report(cp, "cam-1", [active("b", "1.0.0"), {"name": long_name}], applied_seq=0)
+    assert rows((await admin.get("/ui/devices?model=a")).text) == []
+    assert rows((await admin.get("/ui/devices?model=b")).text) == ["cam-1"]
+    await report(cp, "cam-1", [{"name": "b", "active_version": 7}], applied_seq=0)
+    async with db_of(cp).read() as tx:
+        (model,) = (await device_q.model_sync(tx, ["cam-1"]))["cam-1"]
+    assert (model.model, model.reported_version, model.in_sync) == ("b", None, False)
+    await report(cp, "cam-1", [], applied_seq=0)  # reports nothing any more: in sync
+    assert rows((await admin.get("/ui/devices?sync=in")).text) == ["cam-1", "cam-2"]
+    assert rows((await admin.get("/ui/devices?model=b")).text) == []
+
+
+async def test_migration_0009_lists_the_models_of_states_stored_before_it(
+    database_url: str,
+) -> None:
+    """Reported states stored at 0008 are read into ``device_reported_models`` by 0009, which
+    matches the models and downgrades."""
+    db = Database(database_url)
+    now = datetime(2030, 1, 1, tzinfo=timezone.utc)
+    documents: dict[str, Any] = {
+        "cam-1": {"models": [active("a", "1.0.0"), active("b", "2.0.0"), active("a", "1.1.0")]},
+        "cam-2": {"models": [{"name": "b"}, {"name": 5}, "a", {"name": "x" * 65}]},
+        "cam-3": {"models": {"name": "a"}},
+    }
+    try:
+        assert await upgrade_head(db, "0008_drift") == "0008_drift"
+        async with db.transaction() as tx:
+            for i, device_id in enumerate(documents):
+                await device_q.insert_device(
+                    tx, device_id=device_id, public_key=f"{i:064x}", status="accepted", now=now
+                )
+            await tx.execute(insert(typing.cast(Table, ReportedStateRow.__table__)), [
+                {"device_id": d, "ts": now, "received_at": now, "applied_seq": 0, "document": doc}
+                for d, doc in documents.items()
+            ])  # fmt: skip
+        assert await upgrade_head(db) == "0009_reported_models"
+        assert await schema_differences(db) == []
+        async with db.read() as tx:
+            stored = (await tx.execute(select(ReportedModelRow.__table__))).all()
+            with_a, _ = await device_q.list_devices(tx, DeviceFilter(model="a"), limit=10, offset=0)
+            synced, _ = await device_q.list_devices(
+                tx, DeviceFilter(in_sync=True), limit=10, offset=0
+            )
+        assert sorted(tuple(r) for r in stored) == sorted(
+            tuple(r.values()) for d, doc in documents.items()
+            for r in device_q.reported_model_rows(d, doc)
+        ) == [("cam-1", "a", "1.1.0"), ("cam-1", "b", "2.0.0"), ("cam-2", "b", None)]  # fmt: skip
+        assert [d.id for d in with_a] == ["cam-1"] and [d.id for d in synced] == ["cam-3"]
+        async with db.engine.begin() as conn:
+            await conn.run_sync(lambda c: command.downgrade(alembic_config(c), "0008_drift"))
+        async with db.engine.connect() as conn:
+            tables = await conn.run_sync(lambda c: inspect(c).get_table_names())
+        assert "device_reported_models" not in tables and "device_reported" in tables
+        assert await upgrade_head(db) == "0009_reported_models"
+        assert await schema_differences(db) == []
+    finally:
+        await db.dispose()
 
 
 # ---------------------------------------------------------------------------- one device
