@@ -411,8 +411,15 @@ async def test_the_provisioner_times_out_fails_on_a_lost_broker_and_recovers(
         try:
             with pytest.raises(BrokerAdminError, match="did not answer"):
                 await quick.provision_device("frozen")
+            sent = patient.messages_sent
             pending = asyncio.create_task(patient.provision_device("lost"))
-            await asyncio.sleep(0)  # let it send its first batch
+
+            async def request_sent() -> None:
+                while patient.messages_sent == sent:
+                    await asyncio.sleep(0.005)
+
+            # The batcher sends after its window: the broker must die with the request out.
+            await asyncio.wait_for(request_sent(), timeout=10)
             broker.kill()
         finally:
             if broker.running:
