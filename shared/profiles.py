@@ -54,10 +54,26 @@ class Detection:
 class BackendSpec:
     """One entry of the backend preference order."""
 
-    name: str = field(metadata={"pattern": r"onnxruntime|tflite"})
+    name: str = field(metadata={"pattern": r"onnxruntime|tflite|openvino"})
+    """The runtime: ``onnxruntime`` (``provider`` is an execution provider), ``openvino``
+    (the OpenVINO runtime reading ONNX itself; ``provider`` is its device: ``CPU``, ``GPU``,
+    ``AUTO``) or ``tflite`` (``provider`` is ``XNNPACK`` or ``CPU``; ``options.implementation``
+    may insist on ``ai-edge-litert`` or ``tflite-runtime``)."""
     provider: str
     options: dict[str, Any] = field(default_factory=dict)
     opt_in: bool = False
+
+
+@dataclass(frozen=True)
+class SelectionSettings:
+    """Choosing by measurement at install: when a version offers several variants or
+    backends that fit this device, time each on the warm-up inputs and keep the fastest that
+    passes the output checks (``agent.runtime.selection``)."""
+
+    measure: bool = False
+    budget_s: float = field(default=10.0, metadata={"gt": 0, "le": 300})
+    """Wall time the whole measurement may take; candidates left when it runs out are not tried."""
+    max_candidates: int = field(default=4, metadata={"ge": 1, "le": 16})
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,7 @@ class RuntimeSettings:
     allow_spinning: bool = True
     memory_budget_mb: int = field(default=0, metadata={"ge": 0})
     memory_budget_fraction: float = field(default=0.5, metadata={"gt": 0, "le": 1})
+    selection: SelectionSettings = field(default_factory=SelectionSettings)
 
 
 @dataclass(frozen=True)

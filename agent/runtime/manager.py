@@ -137,6 +137,11 @@ class ModelSource:
     signer_keyid: str | None = None
     drift_baseline: DriftBaseline | None = None
     """The bundle's statistics drift is measured against; None: drift is not measured."""
+    variant: str | None = None
+    """The bundle variant ``model_path`` is (None for a bare model file)."""
+    backend: str | None = None
+    """A backend chosen for this version at install (``openvino``, ``onnxruntime``, a
+    provider's short name): it overrides the serving default; None follows the profile."""
 
 
 RunnerFactory = Callable[[ModelSource], Sequence[ModelRunner]]

@@ -89,6 +89,7 @@ def bundle_source(
     *,
     origin: Path | None = None,
     signer_keyid: str | None = None,
+    backend: str | None = None,
 ) -> ModelSource:
     """The :class:`ModelSource` of variant ``tag`` of a bundle unpacked (and verified) under
     ``root``: its model file, labels, preprocessing and drift baseline. Raises KeyError for an
@@ -107,6 +108,8 @@ def bundle_source(
         origin=origin,
         signer_keyid=signer_keyid,
         drift_baseline=manifest.drift_baseline,
+        variant=tag,
+        backend=backend,
     )
 
 

@@ -124,7 +124,12 @@ def runner_factory(
         try:
             for _ in range(workers):
                 runners.append(
-                    load_runner(source.model_path, profile, backend=backend, threads=per_instance)
+                    load_runner(
+                        source.model_path,
+                        profile,
+                        backend=source.backend or backend,
+                        threads=per_instance,
+                    )
                 )
         except BaseException:
             for r in runners:

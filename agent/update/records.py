@@ -124,6 +124,11 @@ class InstallInfo(_Stored):
     length: int
     signer_keyid: str | None = None
     installed_at: float
+    backend: str | None = None
+    """The backend chosen at install (by measurement, or the first that fit); None: the
+    profile's order at load time."""
+    choice: dict[str, Any] | None = None
+    """The measurement that chose ``variant`` and ``backend``, as reported in the events."""
 
 
 class CanaryRef(_Stored):

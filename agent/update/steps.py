@@ -92,7 +92,7 @@ def installed_source(store: ModelStore, info: InstallInfo) -> ModelSource:
     try:
         manifest = BundleManifest.model_validate_json((root / MANIFEST_NAME).read_bytes())
         return bundle_source(manifest, root, info.variant, origin=root,
-                             signer_keyid=info.signer_keyid)  # fmt: skip
+                             signer_keyid=info.signer_keyid, backend=info.backend)  # fmt: skip
     except (OSError, ValueError, KeyError) as e:
         raise UpdateError(Cause.LOAD_FAILED, f"{root}: installed files unusable: {e}") from e
 

@@ -202,6 +202,27 @@ class FileEntry(_Schema):
     size: int = Field(ge=0)
 
 
+class Quantization(_Schema):
+    """How a quantized variant was made from another variant, and what it cost in accuracy.
+
+    Measured by ``mcp-bundle build --quantize`` on the calibration samples (the drift
+    baseline's samples): both models run on every sample and their answers are compared.
+    """
+
+    scheme: Literal["int8-dynamic", "int8-static"]
+    reference: Identifier
+    """The tag of the variant it was quantized from (the FP32 model)."""
+    samples: int = Field(ge=1)
+    """How many samples the figures below were measured on."""
+    top1_agreement: Finite = Field(ge=0, le=1)
+    """Share of samples whose arg-max output equals the reference's."""
+    max_abs_diff: Finite = Field(ge=0)
+    """Largest absolute difference of any output value against the reference."""
+    accuracy_delta: Finite | None = None
+    """Top-1 accuracy in points (quantized minus reference) on labelled samples, when the
+    build was given their labels; None otherwise."""
+
+
 class Variant(_Schema):
     """One model file and the hardware profiles it suits, with the I/O signature it has."""
 
@@ -213,6 +234,16 @@ class Variant(_Schema):
     profiles: tuple[ProfileName, ...] = Field(min_length=1, max_length=64)
     inputs: tuple[TensorSpec, ...] = Field(min_length=1, max_length=64)
     outputs: tuple[TensorSpec, ...] = Field(min_length=1, max_length=64)
+    backend: Identifier | None = None
+    """The one backend this file is made for (``openvino``, ``tensorrt``, ``onnxruntime``,
+    ``tflite``...); None: any backend that runs its format. A device without that backend
+    skips the variant."""
+    quantization: Quantization | None = None
+    """Set on a quantized variant: how it was made and its measured accuracy cost."""
+
+
+_OPTIONAL_VARIANT_FIELDS = ("backend", "quantization")
+"""Left out of manifest.json when None, so manifests without them keep their exact bytes."""
 
 
 class Constraints(_Schema):
@@ -392,4 +423,11 @@ class BundleManifest(_Schema):
 
     def to_json_dict(self) -> dict[str, object]:
         """The manifest as plain JSON values (what manifest.json holds and what is signed)."""
-        return self.model_dump(mode="json")
+        doc: dict[str, object] = self.model_dump(mode="json")
+        variants = doc["variants"]
+        assert isinstance(variants, list)
+        for v in variants:
+            for key in _OPTIONAL_VARIANT_FIELDS:
+                if v.get(key, 0) is None:
+                    del v[key]
+        return doc

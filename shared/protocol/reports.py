@@ -164,6 +164,8 @@ class ModelStatusReport:
     shadow_version: str | None = None
     installed_versions: list[str] = field(default_factory=list)
     last_error: str | None = None
+    active_variant: str | None = None
+    active_backend: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -243,6 +243,10 @@ class ModelStatus(Message):
     shadow_version: VersionText | None = None
     installed_versions: list[VersionText] = Field(default_factory=list, max_length=16)
     last_error: ShortText | None = None
+    active_variant: Identifier | None = None
+    """The bundle variant the active version runs (``default``, ``int8``, a profile's tag)."""
+    active_backend: str | None = Field(default=None, max_length=128)
+    """``backend/provider`` the active version runs on (``openvino/CPU``)."""
 
 
 class ReportedState(Message):
