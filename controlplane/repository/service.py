@@ -1,19 +1,29 @@
 """The model registry on top of the TUF repository: publishing bundles, publisher keys, the
 trust root handed to devices, and the schedule that keeps timestamp metadata fresh.
 
-One published model version is ONE TUF target, the whole signed ``.mcpb``, at
+One published model version is the whole signed ``.mcpb`` as a TUF target at
 ``{name}/{version}/{name}-{version}.mcpb`` with custom fields::
 
-    {"model", "version", "version_numeric", "format", "profiles", "variants", "publisher"}
+    {"model", "version", "version_numeric", "format", "profiles", "variants", "publisher",
+     "parts": {"manifest": PATH, "signature": PATH, "files": {member: PATH}}}
+
+and each of its members as a target of its own, so a device fetches only the manifest, its
+signature and the files of the one variant it runs (docs/repository.md "Targets")::
+
+    {name}/{version}/manifest.json   the bundle's manifest.json, byte for byte
+    {name}/{version}/manifest.sig    its manifest.sig
+    {name}/{version}/{member}        every file the manifest lists (variants, labels...)
 
 ``variants`` is ``[{"name", "file", "sha256", "size", "profiles"}]`` from the manifest;
 ``profiles`` is the sorted union of the hardware profiles the bundle's specific variants name
-(the default variant, ``*``, fits every profile and is left out: empty means "any").
+(the default variant, ``*``, fits every profile and is left out: empty means "any"). A part's
+custom fields are ``{"model", "version", "part_of"}`` (``part_of``: the bundle target's path).
 
 Publishing checks the bundle (structure, caps, hashes) and its publisher signature against the
-registered, non-revoked publisher keys of the database, adds the target, then inserts the
-``models``/``model_versions`` rows and an audit entry; when the database refuses, the target is
-delisted again. The same name and version with the same bytes is a no-op; other bytes are a
+registered, non-revoked publisher keys of the database while it copies the members out (so
+what is published as a part is exactly what was hash-checked), adds the bundle and its parts
+in one targets version, then inserts the ``models``/``model_versions`` rows and an audit
+entry; when the database refuses, the bundle and its parts are delisted again. The same name and version with the same bytes is a no-op; other bytes are a
 conflict. Publisher keys live in the database and every change re-lists the non-revoked ones
 in signed targets metadata (:meth:`TufRepository.set_publishers`).
 
@@ -30,9 +40,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -48,10 +61,13 @@ from mcp_edge.controlplane.repository.tuf_repo import (
     Clock,
     Expiry,
     KeyStore,
+    NewTarget,
     TufRepository,
 )
 from mcp_edge.controlplane.settings import Settings
-from mcp_edge.shared.bundle import BundleLimits, inspect_bundle, verify_bundle
+from mcp_edge.shared.bundle import BundleLimits, inspect_bundle
+from mcp_edge.shared.bundle.archive import scan_bundle
+from mcp_edge.shared.bundle.manifest import MANIFEST_NAME, SIGNATURE_NAME
 from mcp_edge.shared.errors import BundleError, KeyFileError, McpError, MessageError, VersionError
 from mcp_edge.shared.protocol.command import ErrorCode
 from mcp_edge.shared.protocol.enrollment import TrustRoot
@@ -65,6 +81,7 @@ T = TypeVar("T")
 REPOSITORY_DIR = "repository"
 KEYS_DIR = "keys"
 UPLOADS_DIR = "uploads"
+PARTS_STAGING_SUFFIX = ".parts"
 LOCK_FILE = ".lock"
 ANY_PROFILE = "*"
 
@@ -126,8 +143,14 @@ def repository_lock(repo: TufRepository) -> Iterator[None]:
 
 
 def target_path_of(name: str, version: str) -> str:
-    """The TUF target path of one model version."""
+    """The TUF target path of one model version's whole bundle."""
     return f"{name}/{version}/{name}-{version}.mcpb"
+
+
+def part_path_of(name: str, version: str, member: str) -> str:
+    """The TUF target path of one member of a version's bundle (``manifest.json``,
+    ``manifest.sig`` or a file the manifest lists)."""
+    return f"{name}/{version}/{member}"
 
 
 @dataclass(frozen=True)
@@ -152,6 +175,8 @@ class _Candidate:
     signer: str
     custom: dict[str, Any]
     drift_baseline: dict[str, Any] | None = None
+    parts: tuple[NewTarget, ...] = ()
+    """The manifest, signature and member files, staged for :meth:`TufRepository.add_targets`."""
 
 
 @dataclass(frozen=True)
@@ -217,6 +242,8 @@ class RepositoryService:
             self.uploads_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             for stale in self.uploads_dir.glob("*.upload"):
                 stale.unlink(missing_ok=True)
+            for stale in self.uploads_dir.glob(f"*{PARTS_STAGING_SUFFIX}"):
+                shutil.rmtree(stale, ignore_errors=True)
             await self._sync_publishers()
         await self.refresh_timestamp()
         return created
@@ -388,13 +415,21 @@ class RepositoryService:
 
     # ------------------------------------------------------------------ models
     async def publish_bundle(self, path: Path, *, actor: str) -> PublishResult:
-        """Verify the bundle at ``path`` and publish it as one target (see the module docstring).
+        """Verify the bundle at ``path`` and publish it with its parts (see the module docstring).
 
         ``path`` is consumed: moved into the repository or left for the caller to delete.
         Raises :class:`BundleRejectedError` (400), :class:`UntrustedSignerError` (403),
         :class:`VersionConflictError` (409), :mod:`controlplane.db.errors`.
         """
-        c = await self._candidate(path)
+        self.uploads_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        stage = Path(tempfile.mkdtemp(suffix=PARTS_STAGING_SUFFIX, dir=self.uploads_dir))
+        try:
+            return await self._publish(path, stage, actor)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, stage, True)
+
+    async def _publish(self, path: Path, stage: Path, actor: str) -> PublishResult:
+        c = await self._candidate(path, stage)
         async with self._lock:
             async with self.db.read() as tx:
                 existing = await q.get_version(tx, c.name, c.version)
@@ -413,27 +448,32 @@ class RepositoryService:
                     f"publisher key {c.signer[:16]} was revoked while the bundle was checked"
                 )
             move = _same_file_system(path, self.repo.dir)
-            info = await self._locked(
-                lambda: self.repo.add_target(c.target_path, path, custom=c.custom, move=move)
-            )
+            bundle = NewTarget(c.target_path, path, c.custom, move)
+            infos = await self._locked(lambda: self.repo.add_targets([bundle, *c.parts]))
             try:
+                info = infos[0]
                 if info.hashes.get("sha256") != c.sha256 or info.length != c.length:
                     raise BundleRejectedError("the bundle changed while it was being published")
                 row = await self._record(c, actor)
             except BaseException:
                 await self._locked(lambda: self.repo.remove_target(c.target_path))
                 raise
-        log.info("published %s %s (%d bytes, sha256 %s, signed by %s) for %s", c.name,
-                 c.version, c.length, c.sha256[:16], c.signer[:16], actor)  # fmt: skip
+        log.info("published %s %s (%d bytes, sha256 %s, signed by %s, %d parts) for %s", c.name,
+                 c.version, c.length, c.sha256[:16], c.signer[:16], len(c.parts), actor)  # fmt: skip
         return PublishResult(row, created=True)
 
-    async def _candidate(self, path: Path) -> _Candidate:
-        """Check the bundle end to end against its signer's key; describe the target."""
+    async def _candidate(self, path: Path, stage: Path) -> _Candidate:
+        """Check the bundle end to end against its signer's key, copying its members into
+        ``stage`` as they are hash-checked; describe the bundle target and its parts."""
         key = await self._check_signer(path)
         limits = BundleLimits(max_bundle_bytes=self.settings.max_bundle_bytes)
+        members = stage / "members"
+        members.mkdir(mode=0o700)
         try:
-            verified = await asyncio.to_thread(verify_bundle, path, [key], limits=limits,
-                                               validate_models=False)  # fmt: skip
+            verified = await asyncio.to_thread(
+                scan_bundle, path, trusted_keys=[key], signature="require", limits=limits,
+                stage_dir=members, validate_models=False,
+            )  # fmt: skip
         except BundleError as e:
             raise BundleRejectedError(_bundle_message(e)) from e
         m = verified.manifest
@@ -442,20 +482,43 @@ class RepositoryService:
         except VersionError as e:
             raise BundleRejectedError(f"{m.name} {m.version} cannot be published: {e}") from e
         target_path = target_path_of(m.name, m.version)
-        directory, _, basename = target_path.rpartition("/")
-        try:
-            validate_repo_path(f"targets/{directory}/{verified.bundle_sha256}.{basename}")
-        except MessageError as e:
-            raise BundleRejectedError(f"name and version too long for a target path: {e}") from e
+        _check_stored_path(target_path, verified.bundle_sha256, "name and version")
+        move = _same_file_system(stage, self.repo.dir)
+        part_custom = {"model": m.name, "version": m.version, "part_of": target_path}
+        sources: dict[str, tuple[Path, str]] = {}
+        manifest_file = stage / MANIFEST_NAME
+        await asyncio.to_thread(manifest_file.write_bytes, verified.manifest_bytes)
+        sources[MANIFEST_NAME] = (manifest_file, _sha256(verified.manifest_bytes))
+        if verified.signature_bytes is not None:
+            signature_file = stage / SIGNATURE_NAME
+            await asyncio.to_thread(signature_file.write_bytes, verified.signature_bytes)
+            sources[SIGNATURE_NAME] = (signature_file, _sha256(verified.signature_bytes))
+        for entry in m.files:
+            if part_path_of(m.name, m.version, entry.path) == target_path:
+                raise BundleRejectedError(
+                    f"bundle refused ({entry.path}): a member may not be named like the bundle "
+                    "target itself"
+                )
+            sources[entry.path] = (verified.staged[entry.path], entry.sha256)
+        parts: list[NewTarget] = []
+        for member, (source, sha) in sources.items():
+            part = part_path_of(m.name, m.version, member)
+            _check_stored_path(part, sha, f"member {member!r} with that name and version")
+            parts.append(NewTarget(part, source, part_custom, move))
+        files = {e.path: part_path_of(m.name, m.version, e.path) for e in m.files}
+        parts_field = {"manifest": part_path_of(m.name, m.version, MANIFEST_NAME),
+                       "signature": part_path_of(m.name, m.version, SIGNATURE_NAME),
+                       "files": files}  # fmt: skip
         variants = [{"name": v.tag, "file": v.file, "sha256": v.sha256, "size": v.size,
                      "profiles": list(v.profiles)} for v in m.variants]  # fmt: skip
         profiles = sorted({p for v in m.variants for p in v.profiles} - {ANY_PROFILE})
         custom = {"model": m.name, "version": m.version, "version_numeric": numeric,
                   "format": m.format, "profiles": profiles, "variants": variants,
-                  "publisher": key.keyid}  # fmt: skip
+                  "publisher": key.keyid, "parts": parts_field}  # fmt: skip
         baseline = m.drift_baseline.model_dump(mode="json") if m.drift_baseline else None
         return _Candidate(m.name, m.version, numeric, target_path, verified.bundle_sha256,
-                          verified.size, m.format, key.keyid, custom, baseline)  # fmt: skip
+                          verified.size, m.format, key.keyid, custom, baseline,
+                          tuple(parts))  # fmt: skip
 
     async def _record(self, c: _Candidate, actor: str) -> ModelVersion:
         """Insert the version rows and the audit entry in one transaction."""
@@ -533,6 +596,20 @@ class RepositoryService:
 def _bundle_message(e: BundleError) -> str:
     where = f" ({e.member})" if e.member else ""
     return f"bundle refused{where}: {e}"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check_stored_path(target_path: str, sha256: str, what: str) -> None:
+    """Refuse (400) a target whose content-addressed file name fails the repository's path
+    rules (``targets/{dir}/{sha256}.{name}``: segments of at most 128 characters, 8 deep)."""
+    directory, _, basename = target_path.rpartition("/")
+    try:
+        validate_repo_path(f"targets/{directory}/{sha256}.{basename}")
+    except MessageError as e:
+        raise BundleRejectedError(f"{what} too long for a target path: {e}") from e
 
 
 def _same_file_system(a: Path, b: Path) -> bool:

@@ -16,7 +16,10 @@ elsewhere and :meth:`KeyStore.remove_root` deletes it here; root changes then ne
 Publisher keys are listed in the signed targets metadata (``x-mcp-publishers``: keyid → hex
 public key), so a device learns and rotates them through TUF and never trusts an unsigned list.
 Each target carries custom fields under ``custom`` (model name, version, variants, profiles,
-publisher keyid).
+publisher keyid). A bundle target's ``custom.parts`` names the targets its manifest, signature
+and files are also published as (:func:`parts_of`); :meth:`TufRepository.add_targets` lists
+them together with the bundle in one targets version and :meth:`TufRepository.remove_target`
+delists them with it.
 
 Every write is atomic (temp file, fsync, rename, directory fsync) and happens under one lock,
 in this order: target file, targets, snapshot, timestamp — a reader never sees metadata naming
@@ -30,7 +33,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -63,6 +66,31 @@ SPEC_VERSION = "1.0.31"
 
 class RepositoryError(McpError):
     """The repository cannot do what was asked (missing key, bad target, broken metadata)."""
+
+
+@dataclass(frozen=True)
+class NewTarget:
+    """One target for :meth:`TufRepository.add_targets`: its path, where its bytes are, its
+    custom fields, and whether ``source`` may be renamed into place (same file system)."""
+
+    path: str
+    source: Path
+    custom: Mapping[str, Any] | None = None
+    move: bool = False
+
+
+def parts_of(info: TargetFile) -> list[str]:
+    """The target paths a bundle target's ``custom.parts`` names (manifest, signature, files),
+    or an empty list for a target without parts (see docs/repository.md "Targets")."""
+    custom = info.unrecognized_fields.get("custom")
+    parts = custom.get("parts") if isinstance(custom, dict) else None
+    if not isinstance(parts, dict):
+        return []
+    found = [parts.get("manifest"), parts.get("signature")]
+    files = parts.get("files")
+    if isinstance(files, dict):
+        found.extend(files.values())
+    return [p for p in found if isinstance(p, str)]
 
 
 @dataclass(frozen=True)
@@ -244,40 +272,62 @@ class TufRepository:
         The file is stored as ``targets/{dir}/{sha256}.{name}``; ``move`` renames ``source``
         into place instead of copying (same filesystem). Returns the new :class:`TargetFile`.
         """
-        self._check_target_path(target_path)
+        return self.add_targets([NewTarget(target_path, Path(source), custom, move)])[0]
+
+    def add_targets(self, new: Sequence[NewTarget]) -> list[TargetFile]:
+        """Add (or replace) several targets and publish them in ONE new targets version, so a
+        device sees all of them listed or none. Returns their :class:`TargetFile` in order.
+
+        Every path is checked before anything is stored; files stored before a failure stay
+        unlisted (content-addressed, they are reused when the same bytes come again).
+        """
+        for item in new:
+            self._check_target_path(item.path)
+        if len({item.path for item in new}) != len(new):
+            raise RepositoryError("the same target path is added twice")
         with self._lock:
             md = self.targets()
-            info = TargetFile.from_file(target_path, str(source), ["sha256"])
-            if custom:
-                info.unrecognized_fields["custom"] = dict(custom)
-            sha = info.hashes["sha256"]
-            dirname, _, basename = target_path.rpartition("/")
-            dest = self.targets_dir / dirname / f"{sha}.{basename}"
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if not dest.exists():
-                tmp = dest.with_name(f".{dest.name}.tmp")
-                if move:
-                    os.replace(source, tmp)
-                else:
-                    shutil.copyfile(source, tmp)
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-                os.replace(tmp, dest)
-                fsync_dir(dest.parent)
-            elif move:
-                Path(source).unlink(missing_ok=True)
-            md.signed.targets[target_path] = info
+            infos = [self._store(item) for item in new]
+            for info in infos:
+                md.signed.targets[info.path] = info
             md.signed.version += 1
             md.signed.expires = self._expires("targets")
             self._write_targets(md)
-            return info
+            return infos
+
+    def _store(self, item: NewTarget) -> TargetFile:
+        """Put the bytes of one target in place (content-addressed name); not yet listed."""
+        info = TargetFile.from_file(item.path, str(item.source), ["sha256"])
+        if item.custom:
+            info.unrecognized_fields["custom"] = dict(item.custom)
+        sha = info.hashes["sha256"]
+        dirname, _, basename = item.path.rpartition("/")
+        dest = self.targets_dir / dirname / f"{sha}.{basename}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if not dest.exists():
+            tmp = dest.with_name(f".{dest.name}.tmp")
+            if item.move:
+                os.replace(item.source, tmp)
+            else:
+                shutil.copyfile(item.source, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+            fsync_dir(dest.parent)
+        elif item.move:
+            Path(item.source).unlink(missing_ok=True)
+        return info
 
     def remove_target(self, target_path: str) -> bool:
-        """Delist ``target_path`` (its file stays for devices mid-download). False if absent."""
+        """Delist ``target_path`` and the parts its ``custom.parts`` names (:func:`parts_of`),
+        in one new targets version; the files stay for devices mid-download. False if absent."""
         with self._lock:
             md = self.targets()
-            if md.signed.targets.pop(target_path, None) is None:
+            info = md.signed.targets.pop(target_path, None)
+            if info is None:
                 return False
+            for part in parts_of(info):
+                md.signed.targets.pop(part, None)
             md.signed.version += 1
             md.signed.expires = self._expires("targets")
             self._write_targets(md)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import tarfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -173,6 +174,16 @@ def tuf_client(cp: ControlPlane, trust_dir: Path, root: bytes | None = None) -> 
     )
 
 
+def bundle_members(bundle: Path) -> dict[str, bytes]:
+    """Every member of a bundle by name (the test's own tar reader, for comparison)."""
+    with tarfile.open(bundle) as tar:
+        return {
+            m.name: tar.extractfile(m).read()  # type: ignore[union-attr]
+            for m in tar.getmembers()
+            if m.isfile()
+        }
+
+
 def download(updater: Updater, target: str) -> tuple[dict[str, Any], bytes]:
     """Refresh, then fetch and verify ``target``; returns its custom fields and bytes."""
     updater.refresh()
@@ -229,6 +240,11 @@ async def test_publish_list_and_download_with_the_tuf_client(
         "profiles": [],
         "publisher": bundles.publisher.keyid,
         "variants": [{k: v for k, v in version["variants"][0].items()}],
+        "parts": {
+            "manifest": "digits/1.0.0/manifest.json",
+            "signature": "digits/1.0.0/manifest.sig",
+            "files": {"models/model.onnx": "digits/1.0.0/models/model.onnx"},
+        },
     }
     assert targets["x-mcp-publishers"] == {
         bundles.publisher.keyid: bundles.publisher.public_key.raw.hex()
@@ -238,6 +254,17 @@ async def test_publish_list_and_download_with_the_tuf_client(
     updater = tuf_client(cp, tmp_path / "device", root)
     custom, fetched = await asyncio.to_thread(download, updater, TARGET)
     assert fetched == data and custom["publisher"] == bundles.publisher.keyid
+    # each member is a target of its own, with the bytes the bundle holds
+    members = bundle_members(bundles.signed)
+    for member, target in [("manifest.json", "digits/1.0.0/manifest.json"),
+                           ("manifest.sig", "digits/1.0.0/manifest.sig"),
+                           ("models/model.onnx", "digits/1.0.0/models/model.onnx")]:  # fmt: skip
+        part_info = updater.get_targetinfo(target)
+        assert part_info is not None, f"{target} is not listed"
+        part_custom = dict(part_info.custom)
+        part = Path(await asyncio.to_thread(updater.download_target, part_info)).read_bytes()
+        assert part == members[member]
+        assert part_custom == {"model": "digits", "version": "1.0.0", "part_of": TARGET}
 
     async with cp.client.get(
         f"/repo/targets/digits/1.0.0/{sha}.digits-1.0.0.mcpb", headers={"Range": "bytes=512-1023"}
@@ -245,7 +272,8 @@ async def test_publish_list_and_download_with_the_tuf_client(
         assert response.status == 206 and await response.read() == data[512:1024]
 
     status, repo = await cp.call("GET", "/api/v1/repository")
-    assert status == 200 and repo["targets"] == 2 and repo["root_key_online"] is True
+    # two bundles: 1.0.0 with manifest, signature and one model; 1.3.0 with two models
+    assert status == 200 and repo["targets"] == 4 + 5 and repo["root_key_online"] is True
     assert {r["role"]: r["version"] for r in repo["roles"]}["root"] == 1
     assert repo["publishers"] == [bundles.publisher.keyid]
 
