@@ -1,14 +1,25 @@
-"""Real models for tests: a small MLP trained on scikit-learn's digits, and its twins.
+"""Real models for tests and benchmarks, trained on scikit-learn's digits, and their twins.
 
-`train_digits_mlp` fits an `MLPClassifier` on the 8x8 digits images (pixels scaled to [0, 1]).
-`write_digits_onnx` converts it with skl2onnx; `write_digits_tflite` writes the same weights as
-a TFLite flatbuffer through the schema that ai-edge-litert ships, so no TensorFlow is needed.
-Both files take one float32 input `input` of shape [batch, 64] and give one float32 output
-`probabilities` of shape [batch, 10]. `onnx_predict` and `tflite_predict` run them.
+Two models, each written as ONNX and as TFLite with the same weights (the TFLite flatbuffers
+are built through the schema that ai-edge-litert ships, so no TensorFlow is needed):
+
+* the digits MLP: `train_digits_mlp` fits an `MLPClassifier` on the 8x8 images (pixels
+  scaled to [0, 1]); `write_digits_onnx` converts it with skl2onnx and `write_digits_tflite`
+  writes its weights. Input `input` float32 [batch, 64].
+* the digits convnet: `train_digits_convnet` upscales the images to 28x28 (`digits_images`),
+  keeps two seeded random 3x3 convolutions and trains a softmax head on their pooled
+  features; `write_convnet_onnx` and `write_convnet_tflite` write it. Input `input` float32
+  [batch, 1, 28, 28] (NCHW) in both files.
+
+Both give one float32 output `probabilities` of shape [batch, 10]; `onnx_predict` and
+`tflite_predict` run them. Files are written atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +30,10 @@ import numpy as np
 import numpy.typing as npt
 import onnx
 import onnx.utils
+from onnx import TensorProto, helper, numpy_helper
 from sklearn.datasets import load_digits
 from sklearn.exceptions import ConvergenceWarning
+from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import train_test_split
 from sklearn.neural_network import MLPClassifier
 
@@ -157,7 +170,23 @@ def write_digits_onnx(mlp: MLPClassifier, path: Path) -> Path:
     del model.opset_import[:]
     model.opset_import.extend(kept)
     onnx.checker.check_model(model, full_check=True)
-    onnx.save(model, str(path))
+    return _atomic_write(path, model.SerializeToString())
+
+
+def _atomic_write(path: Path, data: bytes) -> Path:
+    """Write `data` to `path` through a temporary file, fsync, and rename."""
+    path = Path(path)
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
     return path
 
 
@@ -178,6 +207,138 @@ def _aligned_buffer(data: bytes) -> Any:
     return AlignedBufferT()
 
 
+class _TFLiteGraph:
+    """A one-subgraph TFLite model under construction, written with ai-edge-litert's schema.
+
+    Activations are float32 tensors with batch 1 in `shape` and -1 in `shape_signature`, so
+    the interpreter may resize the batch; constants keep their static shape.
+    """
+
+    def __init__(self) -> None:
+        from ai_edge_litert import schema_py_generated as schema
+
+        self.schema: Any = schema
+        self._buffers: list[Any] = [schema.BufferT()]  # buffer 0: the empty sentinel
+        self._tensors: list[Any] = []
+        self._opcodes: list[int] = []
+        self._operators: list[Any] = []
+
+    def activation(self, name: str, shape: list[int]) -> int:
+        """A float32 tensor computed at run time; `shape[0]` is the (resizable) batch."""
+        return self._tensor(name, shape, self.schema.TensorType.FLOAT32, 0, [-1, *shape[1:]])
+
+    def constant(self, name: str, array: npt.NDArray[Any]) -> int:
+        """A constant tensor (float32 or int32) holding `array`."""
+        if array.dtype == np.int32:
+            data, tensor_type = np.ascontiguousarray(array, "<i4"), self.schema.TensorType.INT32
+        else:
+            data, tensor_type = np.ascontiguousarray(array, "<f4"), self.schema.TensorType.FLOAT32
+        self._buffers.append(_aligned_buffer(data.tobytes()))
+        shape = list(array.shape)
+        return self._tensor(name, shape, tensor_type, len(self._buffers) - 1, shape)
+
+    def tensor_name(self, index: int) -> str:
+        """The name of tensor `index`."""
+        return str(self._tensors[index].name)
+
+    def _tensor(
+        self, name: str, shape: list[int], tensor_type: int, buffer: int, signature: list[int]
+    ) -> int:
+        t = self.schema.TensorT()
+        t.name, t.shape, t.type, t.buffer, t.shapeSignature = (
+            name,
+            shape,
+            tensor_type,
+            buffer,
+            signature,
+        )
+        self._tensors.append(t)
+        return len(self._tensors) - 1
+
+    def op(
+        self,
+        builtin: int,
+        inputs: list[int],
+        output: int,
+        options_type: int = 0,
+        options: Any = None,
+    ) -> None:
+        """Append one builtin operator (opcodes are shared between operators of one kind)."""
+        if builtin not in self._opcodes:
+            self._opcodes.append(builtin)
+        op = self.schema.OperatorT()
+        op.opcodeIndex, op.inputs, op.outputs = self._opcodes.index(builtin), inputs, [output]
+        if options is not None:
+            op.builtinOptionsType, op.builtinOptions = options_type, options
+        self._operators.append(op)
+
+    def write(self, path: Path, x: int, y: int, description: str) -> Path:
+        """Finish the model with input `x` and output `y` (signature `serving_default`)."""
+        schema = self.schema
+        subgraph = schema.SubGraphT()
+        subgraph.name = "main"
+        subgraph.tensors, subgraph.inputs, subgraph.outputs = self._tensors, [x], [y]
+        subgraph.operators = self._operators
+
+        signature = schema.SignatureDefT()
+        signature.signatureKey, signature.subgraphIndex = TFLITE_SIGNATURE_KEY, 0
+        signature.inputs = [_tensor_map(schema, INPUT_NAME, x)]
+        signature.outputs = [_tensor_map(schema, OUTPUT_NAME, y)]
+
+        codes = []
+        for builtin in self._opcodes:
+            code = schema.OperatorCodeT()
+            # Builtins below 127 are also written to the deprecated int8 field, which
+            # older readers (tflite-runtime) still look at.
+            code.builtinCode = builtin
+            code.deprecatedBuiltinCode = min(builtin, 127)
+            code.version = 1
+            codes.append(code)
+
+        model = schema.ModelT()
+        model.version = 3
+        model.description = description
+        model.operatorCodes = codes
+        model.subgraphs, model.buffers, model.signatureDefs = [subgraph], self._buffers, [signature]
+
+        builder = flatbuffers.Builder(1024)
+        builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+        return _atomic_write(path, bytes(builder.Output()))
+
+    def fully_connected(
+        self, x: int, weights: FloatArray, bias: FloatArray, output: int, relu: bool
+    ) -> None:
+        """FULLY_CONNECTED with `weights` as [out, in] (TFLite's layout)."""
+        schema = self.schema
+        name = self.tensor_name(output)
+        options = schema.FullyConnectedOptionsT()
+        options.fusedActivationFunction = (
+            schema.ActivationFunctionType.RELU if relu else schema.ActivationFunctionType.NONE
+        )
+        w = self.constant(f"{name}/weights", weights)
+        b = self.constant(f"{name}/bias", bias)
+        self.op(
+            schema.BuiltinOperator.FULLY_CONNECTED,
+            [x, w, b],
+            output,
+            schema.BuiltinOptions.FullyConnectedOptions,
+            options,
+        )
+
+    def softmax(self, x: int, output: int) -> None:
+        """SOFTMAX over the last axis, beta 1."""
+        schema = self.schema
+        options = schema.SoftmaxOptionsT()
+        options.beta = 1.0
+        self.op(
+            schema.BuiltinOperator.SOFTMAX,
+            [x],
+            output,
+            schema.BuiltinOptions.SoftmaxOptions,
+            options,
+        )
+
+
 def write_digits_tflite(mlp: MLPClassifier, path: Path) -> Path:
     """Write the MLP as a TFLite model: FULLY_CONNECTED(+ReLU), FULLY_CONNECTED, SOFTMAX.
 
@@ -188,88 +349,336 @@ def write_digits_tflite(mlp: MLPClassifier, path: Path) -> Path:
     Returns:
         `path`.
     """
-    from ai_edge_litert import schema_py_generated as schema
-
     (w1, b1), (w2, b2) = _dense_layers(mlp)
-    hidden = w1.shape[1]
-    buffers = [schema.BufferT()]  # buffer 0: the empty sentinel every schema reader expects
-
-    def constant(array: FloatArray) -> int:
-        buffers.append(_aligned_buffer(np.ascontiguousarray(array, dtype="<f4").tobytes()))
-        return len(buffers) - 1
-
-    tensors: list[Any] = []
-
-    def tensor(name: str, shape: list[int], buffer: int = 0, batched: bool = True) -> int:
-        t = schema.TensorT()
-        t.name, t.shape, t.type, t.buffer = name, shape, schema.TensorType.FLOAT32, buffer
-        t.shapeSignature = [-1, *shape[1:]] if batched else list(shape)
-        tensors.append(t)
-        return len(tensors) - 1
-
+    graph = _TFLiteGraph()
+    x = graph.activation(INPUT_NAME, [1, N_FEATURES])
+    h = graph.activation("dense1/relu", [1, w1.shape[1]])
+    logits = graph.activation("dense2/logits", [1, N_CLASSES])
+    probs = graph.activation(OUTPUT_NAME, [1, N_CLASSES])
     # FULLY_CONNECTED wants weights as [out, in]: the transpose of sklearn's coefs_.
-    x = tensor(INPUT_NAME, [1, N_FEATURES])
-    w1_t = tensor("dense1/weights", [hidden, N_FEATURES], constant(w1.T), batched=False)
-    b1_t = tensor("dense1/bias", [hidden], constant(b1), batched=False)
-    h = tensor("dense1/relu", [1, hidden])
-    w2_t = tensor("dense2/weights", [N_CLASSES, hidden], constant(w2.T), batched=False)
-    b2_t = tensor("dense2/bias", [N_CLASSES], constant(b2), batched=False)
-    logits = tensor("dense2/logits", [1, N_CLASSES])
-    probs = tensor(OUTPUT_NAME, [1, N_CLASSES])
-
-    def opcode(builtin: int) -> Any:
-        code = schema.OperatorCodeT()
-        code.builtinCode = code.deprecatedBuiltinCode = builtin
-        code.version = 1
-        return code
-
-    def fully_connected(inputs: list[int], output: int, activation: int) -> Any:
-        op = schema.OperatorT()
-        op.opcodeIndex, op.inputs, op.outputs = 0, inputs, [output]
-        op.builtinOptionsType = schema.BuiltinOptions.FullyConnectedOptions
-        op.builtinOptions = schema.FullyConnectedOptionsT()
-        op.builtinOptions.fusedActivationFunction = activation
-        return op
-
-    softmax = schema.OperatorT()
-    softmax.opcodeIndex, softmax.inputs, softmax.outputs = 1, [logits], [probs]
-    softmax.builtinOptionsType = schema.BuiltinOptions.SoftmaxOptions
-    softmax.builtinOptions = schema.SoftmaxOptionsT()
-    softmax.builtinOptions.beta = 1.0
-
-    subgraph = schema.SubGraphT()
-    subgraph.name = "main"
-    subgraph.tensors, subgraph.inputs, subgraph.outputs = tensors, [x], [probs]
-    subgraph.operators = [
-        fully_connected([x, w1_t, b1_t], h, schema.ActivationFunctionType.RELU),
-        fully_connected([h, w2_t, b2_t], logits, schema.ActivationFunctionType.NONE),
-        softmax,
-    ]
-
-    signature = schema.SignatureDefT()
-    signature.signatureKey, signature.subgraphIndex = TFLITE_SIGNATURE_KEY, 0
-    signature.inputs = [_tensor_map(schema, INPUT_NAME, x)]
-    signature.outputs = [_tensor_map(schema, OUTPUT_NAME, probs)]
-
-    model = schema.ModelT()
-    model.version = 3
-    model.description = "digits MLP written by mcp_edge.tooling.models"
-    model.operatorCodes = [
-        opcode(schema.BuiltinOperator.FULLY_CONNECTED),
-        opcode(schema.BuiltinOperator.SOFTMAX),
-    ]
-    model.subgraphs, model.buffers, model.signatureDefs = [subgraph], buffers, [signature]
-
-    builder = flatbuffers.Builder(1024)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    Path(path).write_bytes(builder.Output())
-    return path
+    graph.fully_connected(x, w1.T, b1, h, relu=True)
+    graph.fully_connected(h, w2.T, b2, logits, relu=False)
+    graph.softmax(logits, probs)
+    return graph.write(path, x, probs, "digits MLP written by mcp_edge.tooling.models")
 
 
 def _tensor_map(schema: Any, name: str, index: int) -> Any:
     mapping = schema.TensorMapT()
     mapping.name, mapping.tensorIndex = name, index
     return mapping
+
+
+# -- The digits convnet ---------------------------------------------------------------------
+
+IMAGE_SIZE = 28
+CONVNET_CHANNELS = (160, 1024)
+"""Default widths of the two 3x3 convolutions (47 M multiply-adds per image): enough work
+that one image costs a millisecond or more in onnxruntime on a two-core x86 machine, so the
+model is compute-bound in benchmarks. Pass smaller `channels` for a lighter twin."""
+_FEATURE_BATCH = 64
+
+
+@dataclass(frozen=True)
+class DigitsConvnet:
+    """A digits convnet: random (seeded) convolution features and a trained softmax head.
+
+    The graph is Conv 3x3 (pad 1) -> Relu -> MaxPool 2x2 -> Conv 3x3 (pad 1) -> Relu ->
+    GlobalAveragePool -> Gemm -> Softmax, from `input` [N, 1, 28, 28] (NCHW, float32 in
+    [0, 1]) to `probabilities` [N, 10].
+
+    Attributes:
+        conv1_weight, conv1_bias: [C1, 1, 3, 3] and [C1] (ONNX's OIHW layout).
+        conv2_weight, conv2_bias: [C2, C1, 3, 3] and [C2].
+        fc_weight, fc_bias: the head, [C2, 10] (Gemm without transpose) and [10].
+        X_train, y_train: training images (float32 [n, 1, 28, 28] in [0, 1]) and labels 0..9.
+        X_test, y_test: held-out images and labels.
+        accuracy: the model's accuracy on the held-out split, in [0, 1].
+    """
+
+    conv1_weight: FloatArray
+    conv1_bias: FloatArray
+    conv2_weight: FloatArray
+    conv2_bias: FloatArray
+    fc_weight: FloatArray
+    fc_bias: FloatArray
+    X_train: FloatArray
+    y_train: npt.NDArray[np.int64]
+    X_test: FloatArray
+    y_test: npt.NDArray[np.int64]
+    accuracy: float
+
+
+def _linear_resize_matrix(n_in: int, n_out: int) -> npt.NDArray[np.float64]:
+    """[n_out, n_in] weights of a half-pixel-centred linear resize (rows sum to 1)."""
+    matrix = np.zeros((n_out, n_in))
+    centres = np.clip((np.arange(n_out) + 0.5) * n_in / n_out - 0.5, 0, n_in - 1)
+    low = np.floor(centres).astype(int)
+    high = np.minimum(low + 1, n_in - 1)
+    frac = centres - low
+    np.add.at(matrix, (np.arange(n_out), low), 1.0 - frac)
+    np.add.at(matrix, (np.arange(n_out), high), frac)
+    return matrix
+
+
+def digits_images(X8x8: npt.ArrayLike) -> FloatArray:
+    """Turn 8x8 digits into the convnet's input: bilinear upscale to [N, 1, 28, 28] float32.
+
+    Args:
+        X8x8: pixels in [0, 1] (scikit-learn's `digits.data / 16`, as `train_digits_mlp`
+            uses), shape [N, 64] or [N, 8, 8].
+
+    Returns:
+        Images of shape [N, 1, 28, 28], values in [0, 1].
+
+    Raises:
+        ValueError: the array is not [N, 64] or [N, 8, 8].
+    """
+    pixels = np.asarray(X8x8, dtype=np.float64)
+    if pixels.ndim == 2 and pixels.shape[1] == 64:
+        pixels = pixels.reshape(-1, 8, 8)
+    if pixels.ndim != 3 or pixels.shape[1:] != (8, 8):
+        raise ValueError(f"expected digits of shape [N, 64] or [N, 8, 8], got {pixels.shape}")
+    resize = _linear_resize_matrix(8, IMAGE_SIZE)
+    images = np.einsum("ij,njk,lk->nil", resize, pixels, resize)
+    return np.ascontiguousarray(images[:, None], dtype=np.float32)
+
+
+def _convnet_onnx(
+    weights: dict[str, FloatArray], head: bool, name: str = "digits_convnet"
+) -> onnx.ModelProto:
+    """The ONNX graph; without `head` it stops at the pooled features [N, C2]."""
+    nodes = [
+        helper.make_node(
+            "Conv", [INPUT_NAME, "c1_w", "c1_b"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]
+        ),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node(
+            "Conv", ["p1", "c2_w", "c2_b"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]
+        ),
+        helper.make_node("Relu", ["c2"], ["r2"]),
+        helper.make_node("GlobalAveragePool", ["r2"], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["features"], axis=1),
+    ]
+    output = ("features", weights["c2_w"].shape[0])
+    if head:
+        nodes += [
+            helper.make_node("Gemm", ["features", "fc_w", "fc_b"], ["logits"]),
+            helper.make_node("Softmax", ["logits"], [OUTPUT_NAME], axis=1),
+        ]
+        output = (OUTPUT_NAME, N_CLASSES)
+    used = {name for node in nodes for name in node.input}
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [
+            helper.make_tensor_value_info(
+                INPUT_NAME, TensorProto.FLOAT, ["N", 1, IMAGE_SIZE, IMAGE_SIZE]
+            )
+        ],
+        [helper.make_tensor_value_info(output[0], TensorProto.FLOAT, ["N", output[1]])],
+        initializer=[
+            numpy_helper.from_array(np.asarray(value, np.float32), key)
+            for key, value in weights.items()
+            if key in used
+        ],
+    )
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", ONNX_OPSET)],
+        producer_name="mcp_edge.tooling.models",
+    )
+    model.ir_version = 8
+    return model
+
+
+def _onnx_weights(net: DigitsConvnet) -> dict[str, FloatArray]:
+    return {
+        "c1_w": net.conv1_weight,
+        "c1_b": net.conv1_bias,
+        "c2_w": net.conv2_weight,
+        "c2_b": net.conv2_bias,
+        "fc_w": net.fc_weight,
+        "fc_b": net.fc_bias,
+    }
+
+
+def train_digits_convnet(
+    seed: int = 0, channels: tuple[int, int] = CONVNET_CHANNELS
+) -> DigitsConvnet:
+    """Build the digits convnet and train its head (a few seconds on two cores).
+
+    The convolutions keep He-initialised random weights drawn from `seed` (the second with
+    small negative biases, so each channel fires on part of the image only); onnxruntime
+    computes their pooled features for every image, and a scikit-learn
+    `LogisticRegression` on the standardised features becomes the Gemm head (the
+    standardisation folded into its weights). The split is the one `train_digits_mlp` uses
+    for the same `seed` (75 % train, stratified), as upscaled images.
+
+    Args:
+        seed: fixes the split and the convolution weights.
+        channels: output channels of the first and second convolution.
+
+    Returns:
+        The weights, the data split and the held-out accuracy of the whole model.
+    """
+    import onnxruntime as ort
+
+    c1, c2 = channels
+    digits = load_digits()
+    pixels = (digits.data / 16.0).astype(np.float32)
+    labels = digits.target.astype(np.int64)
+    X_train8, X_test8, y_train, y_test = train_test_split(
+        pixels, labels, test_size=0.25, random_state=seed, stratify=labels
+    )
+    X_train, X_test = digits_images(X_train8), digits_images(X_test8)
+
+    rng = np.random.default_rng(seed)
+    conv = {
+        "c1_w": rng.normal(0.0, np.sqrt(2.0 / 9), (c1, 1, 3, 3)).astype(np.float32),
+        "c1_b": np.zeros(c1, np.float32),
+        "c2_w": rng.normal(0.0, np.sqrt(2.0 / (9 * c1)), (c2, c1, 3, 3)).astype(np.float32),
+        "c2_b": (-0.5 * np.abs(rng.normal(size=c2))).astype(np.float32),
+    }
+    session = ort.InferenceSession(
+        _convnet_onnx(conv, head=False).SerializeToString(), providers=["CPUExecutionProvider"]
+    )
+
+    def features(images: FloatArray) -> npt.NDArray[np.float64]:
+        chunks = [
+            session.run(None, {INPUT_NAME: images[i : i + _FEATURE_BATCH]})[0]
+            for i in range(0, len(images), _FEATURE_BATCH)
+        ]
+        return np.concatenate(chunks).astype(np.float64)
+
+    F_train, F_test = features(X_train), features(X_test)
+    mean, scale = F_train.mean(axis=0), F_train.std(axis=0) + 1e-6
+    head = LogisticRegression(C=0.1, max_iter=1000, tol=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        head.fit((F_train - mean) / scale, y_train)
+    coef = head.coef_ / scale  # [10, C2]
+    fc_weight = coef.T.astype(np.float32)
+    fc_bias = (head.intercept_ - coef @ mean).astype(np.float32)
+    predicted = np.argmax(F_test @ fc_weight + fc_bias, axis=1)
+    accuracy = float(np.mean(predicted == y_test))
+    return DigitsConvnet(
+        conv1_weight=conv["c1_w"],
+        conv1_bias=conv["c1_b"],
+        conv2_weight=conv["c2_w"],
+        conv2_bias=conv["c2_b"],
+        fc_weight=fc_weight,
+        fc_bias=fc_bias,
+        X_train=X_train,
+        y_train=y_train,
+        X_test=X_test,
+        y_test=y_test,
+        accuracy=accuracy,
+    )
+
+
+def write_convnet_onnx(net: DigitsConvnet, path: Path) -> Path:
+    """Write the convnet as ONNX (opset 17, IR 8): `input` [N, 1, 28, 28] -> `probabilities`.
+
+    The batch dimension is the symbolic `N`. The model passes `onnx.checker`'s full check.
+
+    Returns:
+        `path`.
+    """
+    model = _convnet_onnx(_onnx_weights(net), head=True)
+    onnx.checker.check_model(model, full_check=True)
+    return _atomic_write(path, model.SerializeToString())
+
+
+def write_convnet_tflite(net: DigitsConvnet, path: Path) -> Path:
+    """Write the convnet as TFLite with the same weights and the same request as the ONNX twin.
+
+    The input is `input` [N, 1, 28, 28] (NCHW, like the ONNX model), so one request serves
+    both; a TRANSPOSE turns it into TFLite's NHWC, then CONV_2D (SAME, fused ReLU),
+    MAX_POOL_2D 2x2, CONV_2D (SAME, fused ReLU), MEAN over H and W, FULLY_CONNECTED and
+    SOFTMAX give `probabilities` [N, 10]. The batch is -1 in `shape_signature`.
+
+    Returns:
+        `path`.
+    """
+    g = _TFLiteGraph()
+    schema = g.schema
+    ops = schema.BuiltinOperator
+    c1, c2 = net.conv1_weight.shape[0], net.conv2_weight.shape[0]
+    half = IMAGE_SIZE // 2
+    x = g.activation(INPUT_NAME, [1, 1, IMAGE_SIZE, IMAGE_SIZE])
+    nhwc = g.activation("nhwc", [1, IMAGE_SIZE, IMAGE_SIZE, 1])
+    r1 = g.activation("conv1/relu", [1, IMAGE_SIZE, IMAGE_SIZE, c1])
+    p1 = g.activation("pool1", [1, half, half, c1])
+    r2 = g.activation("conv2/relu", [1, half, half, c2])
+    gap = g.activation("gap", [1, c2])
+    logits = g.activation("logits", [1, N_CLASSES])
+    probs = g.activation(OUTPUT_NAME, [1, N_CLASSES])
+
+    perm = g.constant("nhwc/perm", np.array([0, 2, 3, 1], np.int32))
+    g.op(
+        ops.TRANSPOSE,
+        [x, perm],
+        nhwc,
+        schema.BuiltinOptions.TransposeOptions,
+        schema.TransposeOptionsT(),
+    )
+
+    def conv(x_in: int, weight: FloatArray, bias: FloatArray, output: int) -> None:
+        options = schema.Conv2DOptionsT()
+        options.padding, options.strideW, options.strideH = schema.Padding.SAME, 1, 1
+        options.dilationWFactor = options.dilationHFactor = 1
+        options.fusedActivationFunction = schema.ActivationFunctionType.RELU
+        name = g.tensor_name(output)
+        # CONV_2D wants filters as [out, kh, kw, in] (OHWI); ONNX stores OIHW.
+        w = g.constant(f"{name}/filter", np.transpose(weight, (0, 2, 3, 1)))
+        b = g.constant(f"{name}/bias", bias)
+        g.op(ops.CONV_2D, [x_in, w, b], output, schema.BuiltinOptions.Conv2DOptions, options)
+
+    conv(nhwc, net.conv1_weight, net.conv1_bias, r1)
+    pool = schema.Pool2DOptionsT()
+    pool.padding, pool.strideW, pool.strideH = schema.Padding.VALID, 2, 2
+    pool.filterWidth = pool.filterHeight = 2
+    g.op(ops.MAX_POOL_2D, [r1], p1, schema.BuiltinOptions.Pool2DOptions, pool)
+    conv(p1, net.conv2_weight, net.conv2_bias, r2)
+    axes = g.constant("gap/axes", np.array([1, 2], np.int32))
+    reducer = schema.ReducerOptionsT()
+    reducer.keepDims = False
+    g.op(ops.MEAN, [r2, axes], gap, schema.BuiltinOptions.ReducerOptions, reducer)
+    g.fully_connected(gap, net.fc_weight.T, net.fc_bias, logits, relu=False)
+    g.softmax(logits, probs)
+    return g.write(path, x, probs, "digits convnet written by mcp_edge.tooling.models")
+
+
+@dataclass(frozen=True)
+class DigitsConvnetModels:
+    """A trained digits convnet and the two model files made from it.
+
+    Attributes:
+        onnx_path: `convnet.onnx` (`input` [N, 1, 28, 28] -> `probabilities` [N, 10]).
+        tflite_path: `convnet.tflite`, the same weights, input and output.
+        net: the weights, the data split (as images) and the held-out accuracy.
+    """
+
+    onnx_path: Path
+    tflite_path: Path
+    net: DigitsConvnet
+
+
+def make_digits_convnet(
+    directory: Path, seed: int = 0, channels: tuple[int, int] = CONVNET_CHANNELS
+) -> DigitsConvnetModels:
+    """Train a digits convnet and write `convnet.onnx` and `convnet.tflite` into `directory`.
+
+    Returns:
+        The paths and the trained model.
+    """
+    net = train_digits_convnet(seed=seed, channels=channels)
+    return DigitsConvnetModels(
+        onnx_path=write_convnet_onnx(net, Path(directory) / "convnet.onnx"),
+        tflite_path=write_convnet_tflite(net, Path(directory) / "convnet.tflite"),
+        net=net,
+    )
 
 
 def onnx_predict(path: Path, X: npt.ArrayLike) -> FloatArray:
