@@ -49,7 +49,7 @@ from mcp_edge.agent.update.machine import Trigger as _Trigger
 from mcp_edge.agent.update.store import DiskUsageFn, ModelStore
 from mcp_edge.agent.update.transport import RepoTransport
 from mcp_edge.agent.update.trust_root import load_bootstrap_root
-from mcp_edge.shared.errors import ExpiredError, McpError, ReplayError, SigningError
+from mcp_edge.shared.errors import ExpiredError, McpError, ReplayError, SigningError, TopicError
 from mcp_edge.shared.fsutil import atomic_write_bytes
 from mcp_edge.shared.profiles import HardwareProfile
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
@@ -71,6 +71,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("mcp.agent.update")
 
 MAX_DESIRED_FILE = 1024 * 1024
+MAX_BACKEND_TEXT = 128
+"""The longest ``backend/provider`` a reported state carries (``ModelStatus.active_backend``)."""
 
 
 class UpdateSink(Protocol):
@@ -505,6 +507,7 @@ class UpdateAgent:
             if phase is Phase.IDLE and index.active is not None:
                 phase = Phase.ACTIVE
             error = record.error if record is not None and record.phase is Phase.FAILED else None
+            variant, backend = self._running(name, index.active)
             models.append(ModelStatusReport(
                 name=name, phase=phase, active_version=index.active,
                 canary_version=index.canary.version if index.canary else None,
@@ -512,12 +515,35 @@ class UpdateAgent:
                 installed_versions=self.store.installed_versions(name)[:16],
                 last_error=(f"{record.cause.value}: {error}" if record and record.cause
                             and error else None),
+                active_variant=variant, active_backend=backend,
             ))  # fmt: skip
         return StateReport(
             device_id=self.device_id, ts=self.clock(), applied_seq=self.applied_seq,
             profile=self.profile.name, backends=self.backends[:16], agent_version=__version__,
             models=models,
         )  # fmt: skip
+
+    def _running(self, name: str, version: str | None) -> tuple[str | None, str | None]:
+        """The variant ``version`` of ``name`` was installed as (its ``install.json``) and the
+        ``backend/provider`` it is loaded on; each None when unknown: no install info, not
+        loaded, or text the reported state would refuse (a variant that is no identifier, a
+        backend longer than :data:`MAX_BACKEND_TEXT`)."""
+        if version is None:
+            return None, None
+        info = self.store.installed(name, version)
+        variant = info.variant if info is not None else None
+        if variant is not None:
+            try:
+                validate_id(variant, "variant")
+            except TopicError:
+                log.warning("%s %s: variant %r is not reported", name, version, variant[:80])
+                variant = None
+        try:
+            loaded = self.manager.get(name, version).info
+        except RunnerError:
+            return variant, None
+        backend = f"{loaded.backend}/{loaded.provider}"
+        return variant, backend if len(backend) <= MAX_BACKEND_TEXT else None
 
     async def _report(self) -> None:
         sink = self.recorder.sink

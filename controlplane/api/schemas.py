@@ -243,6 +243,16 @@ class ModelSyncOut(Response):
     canary_version: str | None = Field(description="the canary it was told to run beside it")
     reported_version: str | None = Field(description="the active version it last reported")
     phase: str | None = Field(description="the deployment phase it last reported")
+    variant: str | None = Field(
+        max_length=64,
+        description="the bundle variant its active version runs (default, int8, a profile's "
+        "tag); null: not reported",
+    )
+    backend: str | None = Field(
+        max_length=128,
+        description="backend/provider its active version runs on (openvino/CPU, "
+        "onnxruntime/CPUExecutionProvider); null: not reported",
+    )
     in_sync: bool = Field(
         description="the device applied its newest desired state and reports the desired "
         "stable version active"

@@ -241,16 +241,17 @@ def devices() -> None:
 
 def fmt_models(models: list[dict[str, Any]]) -> str:
     """A device's models on one line: ``digits=1.1.0`` when in sync, else what it runs and
-    what it should (``digits=1.0.0 (wants 1.1.0)``)."""
+    what it should (``digits=1.0.0 (wants 1.1.0)``); the variant it runs, when reported, after
+    the version (``digits=1.1.0 (int8)``, ``digits=1.0.0 (int8, wants 1.1.0)``)."""
     parts = []
     for m in models:
         runs = m["reported_version"] or "-"
+        notes = [m["variant"]] if m.get("variant") else []
         if m["desired_version"] is None:
-            parts.append(f"{m['model']}={runs} (not desired)")
-        elif m["in_sync"]:
-            parts.append(f"{m['model']}={runs}")
-        else:
-            parts.append(f"{m['model']}={runs} (wants {m['desired_version']})")
+            notes.append("not desired")
+        elif not m["in_sync"]:
+            notes.append(f"wants {m['desired_version']}")
+        parts.append(f"{m['model']}={runs}" + (f" ({', '.join(notes)})" if notes else ""))
     return ", ".join(parts) or "-"
 
 
@@ -379,10 +380,11 @@ def devices_show(server: str, token: str | None, device_id: str, as_json: bool) 
         return
     click.echo("all models in sync" if device["in_sync"] else "not in sync")
     print_table(
-        ["model", "desired", "canary", "reported", "phase", "in sync"],
+        ["model", "desired", "canary", "reported", "variant", "backend", "phase", "in sync"],
         [
             [m["model"], m["desired_version"] or "(not desired)", m["canary_version"],
-             m["reported_version"], m["phase"], "yes" if m["in_sync"] else "no"]
+             m["reported_version"], m.get("variant"), m.get("backend"), m["phase"],
+             "yes" if m["in_sync"] else "no"]
             for m in device["models"]
         ],
     )  # fmt: skip

@@ -278,10 +278,36 @@ def active_version(status: Mapping[str, Any] | None) -> str | None:
     return value if value is not None and len(value) <= VERSION_MAX else None
 
 
+VARIANT_MAX = 64
+"""The longest variant tag (an identifier); a longer reported one counts as none."""
+BACKEND_MAX = 128
+"""The longest ``backend/provider`` text; a longer reported one counts as none."""
+
+
+def active_variant(status: Mapping[str, Any] | None) -> str | None:
+    """The bundle variant a reported model's active version runs (``default``, ``int8``):
+    text of 1 to :data:`VARIANT_MAX` characters, else None."""
+    value = _text(status, "active_variant")
+    return value if value and len(value) <= VARIANT_MAX else None
+
+
+def active_backend(status: Mapping[str, Any] | None) -> str | None:
+    """The ``backend/provider`` a reported model's active version runs on (``openvino/CPU``):
+    text of 1 to :data:`BACKEND_MAX` characters, else None."""
+    value = _text(status, "active_backend")
+    return value if value and len(value) <= BACKEND_MAX else None
+
+
 def reported_model_rows(device_id: str, document: Any) -> list[dict[str, Any]]:
     """The ``device_reported_models`` rows of one device's reported-state document."""
     return [
-        {"device_id": device_id, "model": name, "active_version": active_version(status)}
+        {
+            "device_id": device_id,
+            "model": name,
+            "active_version": active_version(status),
+            "variant": active_variant(status),
+            "backend": active_backend(status),
+        }
         for name, status in reported_models(document).items()
     ]
 
@@ -396,7 +422,8 @@ async def count_online(tx: Tx) -> int:
 class ModelSync:
     """One model of a device: the stable version it was told to run (None: not told, yet it
     reports the model) against what it reports (``reported_version`` is its active version,
-    None when it reports none), and whether the two agree."""
+    None when it reports none, ``variant`` and ``backend`` what that version runs as and on,
+    None when not reported), and whether the two agree."""
 
     model: str
     desired_version: str | None
@@ -404,6 +431,8 @@ class ModelSync:
     reported_version: str | None
     phase: str | None
     in_sync: bool
+    variant: str | None = None
+    backend: str | None = None
 
 
 async def model_sync(tx: Tx, device_ids: Iterable[str]) -> dict[str, list[ModelSync]]:
@@ -439,12 +468,14 @@ async def model_sync(tx: Tx, device_ids: Iterable[str]) -> dict[str, list[ModelS
             active = active_version(status)
             out[device_id].append(
                 ModelSync(model, stable, canary, active, _text(status, "phase"),
-                          current and active == stable)
+                          current and active == stable, active_variant(status),
+                          active_backend(status))
             )  # fmt: skip
         out[device_id].extend(
-            ModelSync(name, None, None, active_version(status), _text(status, "phase"), False)
+            ModelSync(name, None, None, active_version(status), _text(status, "phase"), False,
+                      active_variant(status), active_backend(status))
             for name, status in sorted(by_name.items())
-        )
+        )  # fmt: skip
     return out
 
 

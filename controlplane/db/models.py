@@ -297,8 +297,9 @@ class ReportedStateRow(Base):
 
 
 class ReportedModelRow(Base):
-    """One model in a device's latest reported state (migration ``0009``): its name and the
-    version it reports active (None: none), kept with the document by
+    """One model in a device's latest reported state (migration ``0009``): its name, the
+    version it reports active (None: none) and the variant and ``backend/provider`` that
+    version runs as (migration ``0010``; None: not reported), kept with the document by
     ``controlplane.db.telemetry.upsert_reported`` so that filters on models and sync state are
     index lookups instead of reading every document."""
 
@@ -310,6 +311,8 @@ class ReportedModelRow(Base):
     device_id: Mapped[str] = mapped_column(String(64), _device_fk(), primary_key=True)
     model: Mapped[str] = mapped_column(String(64), primary_key=True)
     active_version: Mapped[str | None] = mapped_column(String(128))
+    variant: Mapped[str | None] = mapped_column(String(64))
+    backend: Mapped[str | None] = mapped_column(String(128))
 
 
 # ---------------------------------------------------------------------------- registry (0003)

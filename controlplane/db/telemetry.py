@@ -105,7 +105,8 @@ async def insert_events(tx: Tx, rows: Sequence[Row]) -> int:
 
 async def upsert_reported(tx: Tx, rows: Sequence[Row]) -> int:
     """Store each device's latest reported state (one row per device, replaced) and, in the
-    same transaction, the models it lists (``device_reported_models``, replaced; see
+    same transaction, the models it lists with the version, variant and backend each runs
+    (``device_reported_models``, replaced; see
     :func:`controlplane.db.devices.reported_model_rows`): an upsert, a delete per thousand
     devices and an insert. The upsert comes first, so on PostgreSQL the devices' rows are
     locked before their models are replaced."""

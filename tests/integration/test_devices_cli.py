@@ -135,7 +135,8 @@ def test_list_and_show_give_each_device_s_models_and_sync_state(plane: Plane) ->
     assert item["id"] == "cam-2" and item["in_sync"] is False
     assert item["models"] == [{"model": "digits", "desired_version": "1.1.0",
                                "canary_version": None, "reported_version": "1.0.0",
-                               "phase": "active", "in_sync": False}]  # fmt: skip
+                               "phase": "active", "variant": None, "backend": None,
+                               "in_sync": False}]  # fmt: skip
 
     shown = plane.cli("devices", "show", "cam-1").stdout
     assert shown.splitlines()[0] == "cam-1"
@@ -143,8 +144,9 @@ def test_list_and_show_give_each_device_s_models_and_sync_state(plane: Plane) ->
                  "arch=aarch64, cpu_count=6", "all models in sync"):  # fmt: skip
         assert fact in shown, fact
     table = shown.splitlines()[-2:]
-    assert table[0].split() == ["MODEL", "DESIRED", "CANARY", "REPORTED", "PHASE", "IN", "SYNC"]
-    assert table[1].split() == ["digits", "1.1.0", "-", "1.1.0", "active", "yes"]
+    assert table[0].split() == ["MODEL", "DESIRED", "CANARY", "REPORTED", "VARIANT", "BACKEND",
+                                "PHASE", "IN", "SYNC"]  # fmt: skip
+    assert table[1].split() == ["digits", "1.1.0", "-", "1.1.0", "-", "-", "active", "yes"]
     document = json.loads(plane.cli("devices", "show", "cam-2", "--json").stdout)
     assert document["id"] == "cam-2" and document["facts"]["os"] == "linux"
     assert document["in_sync"] is False and document["models"][0]["reported_version"] == "1.0.0"

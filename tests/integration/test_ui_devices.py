@@ -29,7 +29,7 @@ from mcp_edge.controlplane.db import devices as device_q
 from mcp_edge.controlplane.db import drift as drift_q
 from mcp_edge.controlplane.db import telemetry as telemetry_q
 from mcp_edge.controlplane.db.devices import DeviceFilter
-from mcp_edge.controlplane.db.migrate import alembic_config, schema_differences
+from mcp_edge.controlplane.db.migrate import alembic_config, head_revision, schema_differences
 from mcp_edge.controlplane.db.models import ReportedModelRow, ReportedStateRow
 from mcp_edge.shared.signing import PrivateKey
 from tests.support.console import ConsolePlane, console_plane, user_console
@@ -308,25 +308,32 @@ async def test_migration_0009_lists_the_models_of_states_stored_before_it(
                 {"device_id": d, "ts": now, "received_at": now, "applied_seq": 0, "document": doc}
                 for d, doc in documents.items()
             ])  # fmt: skip
-        assert await upgrade_head(db) == "0009_reported_models"
+        assert await upgrade_head(db, "0009_reported_models") == "0009_reported_models"
+        columns = (
+            ReportedModelRow.device_id,
+            ReportedModelRow.model,
+            ReportedModelRow.active_version,
+        )
+        async with db.read() as tx:
+            stored = (await tx.execute(select(*columns))).all()
+        assert sorted(tuple(r) for r in stored) == sorted(
+            (r["device_id"], r["model"], r["active_version"]) for d, doc in documents.items()
+            for r in device_q.reported_model_rows(d, doc)
+        ) == [("cam-1", "a", "1.1.0"), ("cam-1", "b", "2.0.0"), ("cam-2", "b", None)]  # fmt: skip
+        assert await upgrade_head(db) == head_revision()
         assert await schema_differences(db) == []
         async with db.read() as tx:
-            stored = (await tx.execute(select(ReportedModelRow.__table__))).all()
             with_a, _ = await device_q.list_devices(tx, DeviceFilter(model="a"), limit=10, offset=0)
             synced, _ = await device_q.list_devices(
                 tx, DeviceFilter(in_sync=True), limit=10, offset=0
             )
-        assert sorted(tuple(r) for r in stored) == sorted(
-            tuple(r.values()) for d, doc in documents.items()
-            for r in device_q.reported_model_rows(d, doc)
-        ) == [("cam-1", "a", "1.1.0"), ("cam-1", "b", "2.0.0"), ("cam-2", "b", None)]  # fmt: skip
         assert [d.id for d in with_a] == ["cam-1"] and [d.id for d in synced] == ["cam-3"]
         async with db.engine.begin() as conn:
             await conn.run_sync(lambda c: command.downgrade(alembic_config(c), "0008_drift"))
         async with db.engine.connect() as conn:
             tables = await conn.run_sync(lambda c: inspect(c).get_table_names())
         assert "device_reported_models" not in tables and "device_reported" in tables
-        assert await upgrade_head(db) == "0009_reported_models"
+        assert await upgrade_head(db) == head_revision()
         assert await schema_differences(db) == []
     finally:
         await db.dispose()
@@ -522,7 +529,8 @@ async def test_the_api_lists_models_and_filters_on_them(plane: ConsolePlane) -> 
     (item,) = answer["items"]
     assert item["in_sync"] is False and item["models"] == [{
         "model": "digits", "desired_version": "1.0.0", "canary_version": None,
-        "reported_version": None, "phase": None, "in_sync": False,
+        "reported_version": None, "phase": None, "variant": None, "backend": None,
+        "in_sync": False,
     }]  # fmt: skip
     await report(cp, "cam-1", [active("digits", "1.0.0")])
     status, answer = await cp.call("GET", "/api/v1/devices", params={"in_sync": "true"})
