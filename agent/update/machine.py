@@ -14,6 +14,7 @@ for a later switch without running it (the role ``prefetch``)::
 
     installing ─stored─▶ idle                 (a prefetch: verified and installed, never loaded)
     downloading ─retry─▶ downloading          (transient: transport trouble, with backoff)
+    loading | warming ─next_variant─▶ downloading  (the variant failed; fetch the next one)
     any working phase ─fail─▶ rolling_back ─rolled_back─▶ failed
     idle | active | failed ─start─▶ downloading  (the next deployment of the same model)
 
@@ -53,6 +54,9 @@ class Trigger(str, enum.Enum):
     WARMED = "warmed"
     FAIL = "fail"
     ROLLED_BACK = "rolled_back"
+    NEXT_VARIANT = "next_variant"
+    """The variant installed from the bundle's parts failed loading or warm-up and another
+    candidate is left: fetch that one (the record lists the failed variant)."""
 
 
 WORKING = (Phase.DOWNLOADING, Phase.VERIFYING, Phase.INSTALLING, Phase.LOADING, Phase.WARMING)
@@ -71,6 +75,8 @@ TRANSITIONS: dict[tuple[Phase, Trigger], Phase] = {
     (Phase.INSTALLING, Trigger.STORED): Phase.IDLE,
     (Phase.LOADING, Trigger.LOADED): Phase.WARMING,
     (Phase.WARMING, Trigger.WARMED): Phase.ACTIVE,
+    (Phase.LOADING, Trigger.NEXT_VARIANT): Phase.DOWNLOADING,
+    (Phase.WARMING, Trigger.NEXT_VARIANT): Phase.DOWNLOADING,
     **{(p, Trigger.FAIL): Phase.ROLLING_BACK for p in WORKING},
     (Phase.ROLLING_BACK, Trigger.FAIL): Phase.FAILED,
     (Phase.ROLLING_BACK, Trigger.ROLLED_BACK): Phase.FAILED,

@@ -65,6 +65,12 @@ class UpdateRecord(BaseModel):
     timings_ms: dict[str, float] = Field(default_factory=dict)
     cause: Cause | None = None
     error: str | None = Field(default=None, max_length=2048)
+    variant: str | None = Field(default=None, max_length=64)
+    """The variant a deployment of the bundle's parts fetches and installs (chosen in
+    ``downloading``, or by measurement in ``verifying``); None: the whole bundle."""
+    failed_variants: dict[str, str] = Field(default_factory=dict, max_length=32)
+    """Variants that failed loading or warm-up in this deployment and why; the next candidate
+    is tried instead, and these are not chosen again (docs/updates.md "Variants")."""
 
     @model_validator(mode="before")
     @classmethod

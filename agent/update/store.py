@@ -3,6 +3,8 @@
 Layout under the state directory::
 
     staging/{sha256}.mcpb             a download in progress or done (kept for resume)
+    staging/{sha256}.parts/           the parts of that bundle fetched one by one instead: each
+                                      file named by its own sha256 (kept for resume)
     staging/{name}-{version}.unpack/  a bundle being unpacked and verified
     models/{name}/{version}/          an installed version: manifest.json, manifest.sig, the
                                       model files, install.json (what was verified, when)
@@ -87,6 +89,11 @@ class ModelStore:
     # ------------------------------------------------------------------ paths
     def staged_bundle(self, sha256: str) -> Path:
         return self.staging_dir / f"{sha256}.mcpb"
+
+    def staged_parts(self, sha256: str) -> Path:
+        """Where the parts of the bundle ``sha256`` are fetched to (files named by their own
+        sha256, so a resumed download continues the right file)."""
+        return self.staging_dir / f"{sha256}.parts"
 
     def unpack_dir(self, name: str, version: str) -> Path:
         return self.staging_dir / f"{_safe(name)}-{_safe(version)}.unpack"
@@ -199,9 +206,10 @@ class ModelStore:
         shutil.rmtree(path, ignore_errors=True)
 
     def discard_staged(self, record: UpdateRecord) -> None:
-        """Remove the download and unpack directory of one deployment."""
+        """Remove the download (whole bundle or parts) and unpack directory of one deployment."""
         with contextlib.suppress(FileNotFoundError):
             self.staged_bundle(record.sha256).unlink()
+        shutil.rmtree(self.staged_parts(record.sha256), ignore_errors=True)
         shutil.rmtree(self.unpack_dir(record.model, record.to_version), ignore_errors=True)
 
     # ------------------------------------------------------------------ index
