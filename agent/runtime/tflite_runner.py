@@ -1,24 +1,35 @@
-"""The TFLite backend: :class:`TFLiteRunner` over ai-edge-litert (or tflite-runtime).
+"""The TFLite backend: :class:`TFLiteRunner` over ai-edge-litert or tflite-runtime.
+
+Two interpreters implement the same Python API: ai-edge-litert (LiteRT, module
+``ai_edge_litert.interpreter``) and the older tflite-runtime (``tflite_runtime.interpreter``).
+A runner uses the one it is told to, else ai-edge-litert when it works here, else
+tflite-runtime. An implementation counts as usable only once it has run a built-in
+192-byte model (one tensor, no operators): tflite-runtime 2.14, the last release, imports
+under NumPy 2 but cannot create an interpreter there (it was built against NumPy 1.x).
 
 A TFLite interpreter is not thread-safe (``invoke`` releases the GIL, and tensors are resized
 in place), so :meth:`TFLiteRunner.run` holds a lock from resize to the last output copy.
 Models whose ``shape_signature`` has -1 dims (usually the batch) are resized to each feed's
 shape, and reallocated only when that shape changes.
 
-XNNPACK: ai-edge-litert applies its default XNNPACK delegate on the first ``allocate_tensors``
-unless the op resolver is ``BUILTIN_WITHOUT_DEFAULT_DELEGATES``. The runner reports
-``XNNPACK`` only when a delegate node is seen in the interpreter's node list after allocation,
-``CPU`` (builtin kernels) otherwise; see ``info.details["delegate_nodes"]``.
+XNNPACK: both interpreters apply their default XNNPACK delegate on the first
+``allocate_tensors`` unless the op resolver is ``BUILTIN_WITHOUT_DEFAULT_DELEGATES``, and
+both size its thread pool from ``num_threads``. The runner reports ``XNNPACK`` only when a
+delegate node is seen in the interpreter's node list after allocation, ``CPU`` (builtin
+kernels) otherwise; see ``info.details["delegate_nodes"]`` (``None`` where the interpreter
+cannot list its nodes, and ``details["delegate_detection"]`` says so).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import logging
 import os
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -40,27 +51,99 @@ from mcp_edge.shared.protocol.wire import Datatype
 log = logging.getLogger("mcp.agent.runtime")
 
 INSTALL_HINT = "pip install 'mcp-edge[tflite]'"
-_IMPLEMENTATIONS = (
-    ("ai_edge_litert.interpreter", "ai-edge-litert"),
-    ("tflite_runtime.interpreter", "tflite-runtime"),
+"""How to install ai-edge-litert, the preferred interpreter."""
+
+
+@dataclass(frozen=True)
+class _Implementation:
+    module: str
+    install_hint: str
+
+
+_IMPLEMENTATIONS: Mapping[str, _Implementation] = {
+    "ai-edge-litert": _Implementation("ai_edge_litert.interpreter", INSTALL_HINT),
+    "tflite-runtime": _Implementation(
+        "tflite_runtime.interpreter", "pip install 'mcp-edge[tflite-runtime]'"
+    ),
+}
+
+TFLITE_IMPLEMENTATIONS = tuple(_IMPLEMENTATIONS)
+"""Names ``implementation`` accepts (distribution names), in the order ``None`` tries them."""
+
+# The smallest model both interpreters accept: one float32 tensor of shape [1] that is the
+# subgraph's input and output, no operators, schema version 3 (written with the TFLite schema).
+_PROBE_MODEL = bytes.fromhex(
+    "1800000054464c3300000e00140010000c000800000004000e000000100000001c0000009800000003"
+    "0000000100000008000000040004000400000001000000100000000c00140010000c00080004000c00"
+    "00001000000010000000140000001800000000000000010000000000000001000000000000000100"
+    "000018000000140010000c000000000008000000000000000400140000000c000000100000001400"
+    "000001000000010000000100000078000000010000000100000000000000"
 )
 
 
-def tflite_implementation() -> tuple[ModuleType, str]:
-    """The interpreter module in use and its distribution name, ai-edge-litert preferred.
+def tflite_implementation(name: str | None = None) -> tuple[ModuleType, str]:
+    """The interpreter module to use and its distribution name.
+
+    Args:
+        name: ``'ai-edge-litert'`` or ``'tflite-runtime'``; ``None`` takes the first of
+            them that works here, ai-edge-litert first.
 
     Raises:
-        BackendUnavailableError: neither ai-edge-litert nor tflite-runtime imports here.
+        ValueError: ``name`` is not one of :data:`TFLITE_IMPLEMENTATIONS`.
+        BackendUnavailableError: the named implementation (or, for ``None``, every one) does
+            not import or cannot run a model here; the message gives the reason and how to
+            install it.
     """
+    if name is not None and name not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"unknown TFLite implementation {name!r}; known: {', '.join(TFLITE_IMPLEMENTATIONS)}"
+        )
+    names = TFLITE_IMPLEMENTATIONS if name is None else (name,)
     reasons = []
-    for module_name, distribution in _IMPLEMENTATIONS:
-        try:
-            return importlib.import_module(module_name), distribution
-        except ImportError as e:
-            reasons.append(f"{distribution}: {e}")
+    for candidate in names:
+        module, reason = _usable(candidate)
+        if module is not None:
+            return module, candidate
+        reasons.append(reason)
+    if name is not None:
+        raise BackendUnavailableError(f"{reasons[0]}; {_IMPLEMENTATIONS[name].install_hint}")
     raise BackendUnavailableError(
-        f"no TFLite interpreter is installed ({'; '.join(reasons)}); {INSTALL_HINT}"
+        f"no TFLite interpreter works here ({'; '.join(reasons)}); {INSTALL_HINT}"
     )
+
+
+@functools.cache
+def _usable(name: str) -> tuple[ModuleType | None, str]:
+    """(module, '') when implementation ``name`` imports and runs the probe model, else
+    (None, the reason). Cached: the answer holds for the life of the process."""
+    try:
+        module = importlib.import_module(_IMPLEMENTATIONS[name].module)
+    except ImportError as e:
+        return None, f"{name} is not installed ({e})"
+    try:
+        interpreter = module.Interpreter(
+            model_content=_PROBE_MODEL,
+            experimental_op_resolver_type=module.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+        )
+        interpreter.allocate_tensors()
+        (detail,) = interpreter.get_input_details()
+        interpreter.set_tensor(detail["index"], np.ones(1, np.float32))
+        interpreter.invoke()
+    except Exception as e:
+        return None, f"{name} {tflite_version(name)} imports but cannot run a model here: {_why(e)}"
+    return module, ""
+
+
+def _why(error: BaseException) -> str:
+    causes = [error]
+    while causes[-1].__cause__ is not None and len(causes) < 5:
+        causes.append(causes[-1].__cause__)
+    if any(isinstance(c, ImportError) and "numpy" in str(c) for c in causes):
+        return (
+            f"it was built against NumPy 1.x and NumPy {np.__version__} is installed "
+            "(install numpy<2 beside it, or use ai-edge-litert)"
+        )
+    return f"{type(causes[-1]).__name__}: {causes[-1]}"
 
 
 def tflite_version(distribution: str) -> str:
@@ -94,9 +177,15 @@ class TFLiteRunner:
             interpreter's default (one thread in ai-edge-litert's Python wrapper).
         use_xnnpack: let the interpreter apply its default XNNPACK delegate; False runs the
             builtin kernels only.
+        implementation: ``'ai-edge-litert'`` or ``'tflite-runtime'``; ``None`` takes
+            ai-edge-litert when it works here, else tflite-runtime.
+        fallback_reason: why the caller did not get a backend it preferred; it leads the
+            runner's own reason in ``info.fallback_reason``.
 
     Raises:
-        BackendUnavailableError: no TFLite interpreter is installed.
+        ValueError: ``implementation`` is unknown, or ``num_threads`` is negative.
+        BackendUnavailableError: the interpreter asked for (or, for ``None``, every one) is
+            not installed or cannot run here.
         ModelLoadError: the file does not load or allocate, or a tensor's dtype has no
             Open Inference Protocol datatype.
     """
@@ -107,23 +196,30 @@ class TFLiteRunner:
         *,
         num_threads: int | None = None,
         use_xnnpack: bool = True,
+        implementation: str | None = None,
+        fallback_reason: str | None = None,
     ) -> None:
-        module, implementation = tflite_implementation()
+        if num_threads is not None and num_threads < 0:
+            raise ValueError(f"num_threads must be 0 (default) or more, not {num_threads}")
+        module, implementation = tflite_implementation(implementation)
         self._label = os.path.basename(os.fspath(path))
         self._lock = threading.Lock()
-        resolver_type = getattr(module, "OpResolverType", None)
-        kwargs: dict[str, Any] = {"num_threads": num_threads or None}
-        resolver = "AUTO"
-        if resolver_type is not None and not use_xnnpack:
-            resolver = "BUILTIN_WITHOUT_DEFAULT_DELEGATES"
-        if resolver_type is not None:
-            kwargs["experimental_op_resolver_type"] = getattr(resolver_type, resolver)
+        resolver = "AUTO" if use_xnnpack else "BUILTIN_WITHOUT_DEFAULT_DELEGATES"
         try:
-            interpreter = module.Interpreter(model_path=os.fspath(path), **kwargs)
+            interpreter = module.Interpreter(
+                model_path=os.fspath(path),
+                num_threads=num_threads or None,
+                experimental_op_resolver_type=getattr(module.OpResolverType, resolver),
+            )
             interpreter.allocate_tensors()
             inputs, self._input_indices, outputs, self._output_indices = self._signature(
                 interpreter
             )
+        except (SystemError, ImportError) as e:
+            # The probe ran a model, so this is unexpected; still an environment problem.
+            raise BackendUnavailableError(
+                f"{self._label}: {implementation} cannot create an interpreter: {_why(e)}"
+            ) from e
         except (ValueError, RuntimeError) as e:
             raise ModelLoadError(f"{self._label}: TFLite cannot load the model: {e}") from e
         self._interpreter: Any = interpreter
@@ -134,7 +230,7 @@ class TFLiteRunner:
         self._validator = InputValidator(self._label, inputs)
 
         delegate_nodes = self._count_delegate_nodes(interpreter)
-        fallback_reason = None
+        own_reason = None
         if not use_xnnpack:
             provider = "CPU"
         elif delegate_nodes is None:
@@ -143,15 +239,16 @@ class TFLiteRunner:
             provider = "XNNPACK"
         else:
             provider = "CPU"
-            fallback_reason = "XNNPACK delegated no node (unsupported ops, or a build without it)"
-            log.warning("%s: running on TFLite CPU kernels; %s", self._label, fallback_reason)
+            own_reason = "XNNPACK delegated no node (unsupported ops, or a build without it)"
+            log.warning("%s: running on TFLite CPU kernels; %s", self._label, own_reason)
+        reasons = [r for r in (fallback_reason, own_reason) if r]
         self._info = RunnerInfo(
             backend="tflite",
             provider=provider,
             inputs=inputs,
             outputs=outputs,
             batchable=bool(inputs) and all(s.shape[:1] == (-1,) for s in inputs),
-            fallback_reason=fallback_reason,
+            fallback_reason="; ".join(reasons) or None,
             details={
                 "model": self._label,
                 "implementation": implementation,
@@ -159,6 +256,11 @@ class TFLiteRunner:
                 "num_threads": num_threads or None,
                 "op_resolver": resolver,
                 "delegate_nodes": delegate_nodes,
+                "delegate_detection": (
+                    "node list"
+                    if delegate_nodes is not None
+                    else f"unavailable ({implementation} does not list its nodes)"
+                ),
             },
         )
 

@@ -17,15 +17,10 @@ Both give one float32 output `probabilities` of shape [batch, 10]; `onnx_predict
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import flatbuffers
 import numpy as np
 import numpy.typing as npt
 import onnx
@@ -37,15 +32,13 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.model_selection import train_test_split
 from sklearn.neural_network import MLPClassifier
 
+from mcp_edge.tooling.tflite_graph import TFLiteGraph, atomic_write
+
 INPUT_NAME = "input"
 OUTPUT_NAME = "probabilities"
 N_FEATURES = 64
 N_CLASSES = 10
 ONNX_OPSET = 17
-TFLITE_SIGNATURE_KEY = "serving_default"
-# TFLite's own converter aligns constant buffers to 16 bytes so kernels can read floats in
-# place; we do the same.
-_TFLITE_BUFFER_ALIGNMENT = 16
 
 FloatArray = npt.NDArray[np.float32]
 
@@ -170,173 +163,7 @@ def write_digits_onnx(mlp: MLPClassifier, path: Path) -> Path:
     del model.opset_import[:]
     model.opset_import.extend(kept)
     onnx.checker.check_model(model, full_check=True)
-    return _atomic_write(path, model.SerializeToString())
-
-
-def _atomic_write(path: Path, data: bytes) -> Path:
-    """Write `data` to `path` through a temporary file, fsync, and rename."""
-    path = Path(path)
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
-    return path
-
-
-def _aligned_buffer(data: bytes) -> Any:
-    """A schema `BufferT` whose bytes start on a 16-byte boundary of the finished file."""
-    from ai_edge_litert import schema_py_generated as schema
-
-    class AlignedBufferT(schema.BufferT):  # type: ignore[misc]  # generated code, untyped
-        def Pack(self, builder: flatbuffers.Builder) -> int:
-            builder.StartVector(1, len(data), _TFLITE_BUFFER_ALIGNMENT)
-            builder.head -= len(data)
-            builder.Bytes[builder.head : builder.head + len(data)] = data
-            vector = builder.EndVector()
-            schema.BufferStart(builder)
-            schema.BufferAddData(builder, vector)
-            return int(schema.BufferEnd(builder))
-
-    return AlignedBufferT()
-
-
-class _TFLiteGraph:
-    """A one-subgraph TFLite model under construction, written with ai-edge-litert's schema.
-
-    Activations are float32 tensors with batch 1 in `shape` and -1 in `shape_signature`, so
-    the interpreter may resize the batch; constants keep their static shape.
-    """
-
-    def __init__(self) -> None:
-        from ai_edge_litert import schema_py_generated as schema
-
-        self.schema: Any = schema
-        self._buffers: list[Any] = [schema.BufferT()]  # buffer 0: the empty sentinel
-        self._tensors: list[Any] = []
-        self._opcodes: list[int] = []
-        self._operators: list[Any] = []
-
-    def activation(self, name: str, shape: list[int]) -> int:
-        """A float32 tensor computed at run time; `shape[0]` is the (resizable) batch."""
-        return self._tensor(name, shape, self.schema.TensorType.FLOAT32, 0, [-1, *shape[1:]])
-
-    def constant(self, name: str, array: npt.NDArray[Any]) -> int:
-        """A constant tensor (float32 or int32) holding `array`."""
-        if array.dtype == np.int32:
-            data, tensor_type = np.ascontiguousarray(array, "<i4"), self.schema.TensorType.INT32
-        else:
-            data, tensor_type = np.ascontiguousarray(array, "<f4"), self.schema.TensorType.FLOAT32
-        self._buffers.append(_aligned_buffer(data.tobytes()))
-        shape = list(array.shape)
-        return self._tensor(name, shape, tensor_type, len(self._buffers) - 1, shape)
-
-    def tensor_name(self, index: int) -> str:
-        """The name of tensor `index`."""
-        return str(self._tensors[index].name)
-
-    def _tensor(
-        self, name: str, shape: list[int], tensor_type: int, buffer: int, signature: list[int]
-    ) -> int:
-        t = self.schema.TensorT()
-        t.name, t.shape, t.type, t.buffer, t.shapeSignature = (
-            name,
-            shape,
-            tensor_type,
-            buffer,
-            signature,
-        )
-        self._tensors.append(t)
-        return len(self._tensors) - 1
-
-    def op(
-        self,
-        builtin: int,
-        inputs: list[int],
-        output: int,
-        options_type: int = 0,
-        options: Any = None,
-    ) -> None:
-        """Append one builtin operator (opcodes are shared between operators of one kind)."""
-        if builtin not in self._opcodes:
-            self._opcodes.append(builtin)
-        op = self.schema.OperatorT()
-        op.opcodeIndex, op.inputs, op.outputs = self._opcodes.index(builtin), inputs, [output]
-        if options is not None:
-            op.builtinOptionsType, op.builtinOptions = options_type, options
-        self._operators.append(op)
-
-    def write(self, path: Path, x: int, y: int, description: str) -> Path:
-        """Finish the model with input `x` and output `y` (signature `serving_default`)."""
-        schema = self.schema
-        subgraph = schema.SubGraphT()
-        subgraph.name = "main"
-        subgraph.tensors, subgraph.inputs, subgraph.outputs = self._tensors, [x], [y]
-        subgraph.operators = self._operators
-
-        signature = schema.SignatureDefT()
-        signature.signatureKey, signature.subgraphIndex = TFLITE_SIGNATURE_KEY, 0
-        signature.inputs = [_tensor_map(schema, INPUT_NAME, x)]
-        signature.outputs = [_tensor_map(schema, OUTPUT_NAME, y)]
-
-        codes = []
-        for builtin in self._opcodes:
-            code = schema.OperatorCodeT()
-            # Builtins below 127 are also written to the deprecated int8 field, which
-            # older readers (tflite-runtime) still look at.
-            code.builtinCode = builtin
-            code.deprecatedBuiltinCode = min(builtin, 127)
-            code.version = 1
-            codes.append(code)
-
-        model = schema.ModelT()
-        model.version = 3
-        model.description = description
-        model.operatorCodes = codes
-        model.subgraphs, model.buffers, model.signatureDefs = [subgraph], self._buffers, [signature]
-
-        builder = flatbuffers.Builder(1024)
-        builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-        return _atomic_write(path, bytes(builder.Output()))
-
-    def fully_connected(
-        self, x: int, weights: FloatArray, bias: FloatArray, output: int, relu: bool
-    ) -> None:
-        """FULLY_CONNECTED with `weights` as [out, in] (TFLite's layout)."""
-        schema = self.schema
-        name = self.tensor_name(output)
-        options = schema.FullyConnectedOptionsT()
-        options.fusedActivationFunction = (
-            schema.ActivationFunctionType.RELU if relu else schema.ActivationFunctionType.NONE
-        )
-        w = self.constant(f"{name}/weights", weights)
-        b = self.constant(f"{name}/bias", bias)
-        self.op(
-            schema.BuiltinOperator.FULLY_CONNECTED,
-            [x, w, b],
-            output,
-            schema.BuiltinOptions.FullyConnectedOptions,
-            options,
-        )
-
-    def softmax(self, x: int, output: int) -> None:
-        """SOFTMAX over the last axis, beta 1."""
-        schema = self.schema
-        options = schema.SoftmaxOptionsT()
-        options.beta = 1.0
-        self.op(
-            schema.BuiltinOperator.SOFTMAX,
-            [x],
-            output,
-            schema.BuiltinOptions.SoftmaxOptions,
-            options,
-        )
+    return atomic_write(path, model.SerializeToString())
 
 
 def write_digits_tflite(mlp: MLPClassifier, path: Path) -> Path:
@@ -350,7 +177,7 @@ def write_digits_tflite(mlp: MLPClassifier, path: Path) -> Path:
         `path`.
     """
     (w1, b1), (w2, b2) = _dense_layers(mlp)
-    graph = _TFLiteGraph()
+    graph = TFLiteGraph()
     x = graph.activation(INPUT_NAME, [1, N_FEATURES])
     h = graph.activation("dense1/relu", [1, w1.shape[1]])
     logits = graph.activation("dense2/logits", [1, N_CLASSES])
@@ -359,13 +186,9 @@ def write_digits_tflite(mlp: MLPClassifier, path: Path) -> Path:
     graph.fully_connected(x, w1.T, b1, h, relu=True)
     graph.fully_connected(h, w2.T, b2, logits, relu=False)
     graph.softmax(logits, probs)
-    return graph.write(path, x, probs, "digits MLP written by mcp_edge.tooling.models")
-
-
-def _tensor_map(schema: Any, name: str, index: int) -> Any:
-    mapping = schema.TensorMapT()
-    mapping.name, mapping.tensorIndex = name, index
-    return mapping
+    return graph.write(
+        path, {INPUT_NAME: x}, {OUTPUT_NAME: probs}, "digits MLP written by mcp_edge.tooling.models"
+    )
 
 
 # -- The digits convnet ---------------------------------------------------------------------
@@ -587,7 +410,7 @@ def write_convnet_onnx(net: DigitsConvnet, path: Path) -> Path:
     """
     model = _convnet_onnx(_onnx_weights(net), head=True)
     onnx.checker.check_model(model, full_check=True)
-    return _atomic_write(path, model.SerializeToString())
+    return atomic_write(path, model.SerializeToString())
 
 
 def write_convnet_tflite(net: DigitsConvnet, path: Path) -> Path:
@@ -601,9 +424,7 @@ def write_convnet_tflite(net: DigitsConvnet, path: Path) -> Path:
     Returns:
         `path`.
     """
-    g = _TFLiteGraph()
-    schema = g.schema
-    ops = schema.BuiltinOperator
+    g = TFLiteGraph()
     c1, c2 = net.conv1_weight.shape[0], net.conv2_weight.shape[0]
     half = IMAGE_SIZE // 2
     x = g.activation(INPUT_NAME, [1, 1, IMAGE_SIZE, IMAGE_SIZE])
@@ -614,40 +435,20 @@ def write_convnet_tflite(net: DigitsConvnet, path: Path) -> Path:
     gap = g.activation("gap", [1, c2])
     logits = g.activation("logits", [1, N_CLASSES])
     probs = g.activation(OUTPUT_NAME, [1, N_CLASSES])
-
-    perm = g.constant("nhwc/perm", np.array([0, 2, 3, 1], np.int32))
-    g.op(
-        ops.TRANSPOSE,
-        [x, perm],
-        nhwc,
-        schema.BuiltinOptions.TransposeOptions,
-        schema.TransposeOptionsT(),
-    )
-
-    def conv(x_in: int, weight: FloatArray, bias: FloatArray, output: int) -> None:
-        options = schema.Conv2DOptionsT()
-        options.padding, options.strideW, options.strideH = schema.Padding.SAME, 1, 1
-        options.dilationWFactor = options.dilationHFactor = 1
-        options.fusedActivationFunction = schema.ActivationFunctionType.RELU
-        name = g.tensor_name(output)
-        # CONV_2D wants filters as [out, kh, kw, in] (OHWI); ONNX stores OIHW.
-        w = g.constant(f"{name}/filter", np.transpose(weight, (0, 2, 3, 1)))
-        b = g.constant(f"{name}/bias", bias)
-        g.op(ops.CONV_2D, [x_in, w, b], output, schema.BuiltinOptions.Conv2DOptions, options)
-
-    conv(nhwc, net.conv1_weight, net.conv1_bias, r1)
-    pool = schema.Pool2DOptionsT()
-    pool.padding, pool.strideW, pool.strideH = schema.Padding.VALID, 2, 2
-    pool.filterWidth = pool.filterHeight = 2
-    g.op(ops.MAX_POOL_2D, [r1], p1, schema.BuiltinOptions.Pool2DOptions, pool)
-    conv(p1, net.conv2_weight, net.conv2_bias, r2)
-    axes = g.constant("gap/axes", np.array([1, 2], np.int32))
-    reducer = schema.ReducerOptionsT()
-    reducer.keepDims = False
-    g.op(ops.MEAN, [r2, axes], gap, schema.BuiltinOptions.ReducerOptions, reducer)
+    g.transpose(x, [0, 2, 3, 1], nhwc)
+    # CONV_2D wants filters as [out, kh, kw, in] (OHWI); ONNX stores them OIHW.
+    g.conv_2d(nhwc, net.conv1_weight.transpose(0, 2, 3, 1), net.conv1_bias, r1, relu=True)
+    g.max_pool_2d(r1, 2, p1)
+    g.conv_2d(p1, net.conv2_weight.transpose(0, 2, 3, 1), net.conv2_bias, r2, relu=True)
+    g.mean(r2, [1, 2], gap)
     g.fully_connected(gap, net.fc_weight.T, net.fc_bias, logits, relu=False)
     g.softmax(logits, probs)
-    return g.write(path, x, probs, "digits convnet written by mcp_edge.tooling.models")
+    return g.write(
+        path,
+        {INPUT_NAME: x},
+        {OUTPUT_NAME: probs},
+        "digits convnet written by mcp_edge.tooling.models",
+    )
 
 
 @dataclass(frozen=True)
