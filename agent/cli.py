@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -24,6 +24,9 @@ from mcp_edge.agent.update.cli import updates_command
 from mcp_edge.shared import cli_style
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.profiles import HardwareProfile, load_profiles
+
+if TYPE_CHECKING:
+    from mcp_edge.agent.runtime.loader import BackendChoice
 
 FAILURES = (McpError, OSError)
 """What a command may fail with as a matter of course: shown in one line, exit status 1."""
@@ -86,7 +89,9 @@ def profiles_cmd(as_json: bool) -> None:
     width = max(len(n) for n in profiles)
     for name, p in profiles.items():
         order = " -> ".join(
-            f"{b.provider}{' (opt-in)' if b.opt_in else ''}" for b in p.runtime.backends
+            f"{b.provider if b.name == 'onnxruntime' else f'{b.name}/{b.provider}'}"
+            f"{' (opt-in)' if b.opt_in else ''}"
+            for b in p.runtime.backends
         )
         click.echo(f"{name:<{width}}  {order}")
         click.echo(f"{'':<{width}}  {p.description}")
@@ -102,8 +107,9 @@ def profiles_cmd(as_json: bool) -> None:
 @click.option(
     "--backend",
     metavar="NAME",
-    help="Show the order with this backend tried first: cpu, cuda, tensorrt, coreml, "
-    "openvino, xnnpack, ... (opt-in ones are only used when named here).",
+    help="Show the order with this backend tried first: a runtime (onnxruntime, openvino, "
+    "tflite) or an onnxruntime provider (cpu, cuda, tensorrt, coreml, openvino-ep, xnnpack, "
+    "...); opt-in ones are only used when named here.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 @click.option(
@@ -160,51 +166,74 @@ def _backend_plan(profile: HardwareProfile, backend: str | None) -> dict[str, An
 
     Raises :class:`click.BadParameter` for a ``--backend`` name the loader does not know.
     """
-    import onnxruntime
-
-    from mcp_edge.agent.runtime.loader import PROVIDER_ALIASES, onnx_providers, provider_alias
+    from mcp_edge.agent.runtime.loader import (
+        PROVIDER_ALIASES,
+        BackendChoice,
+        backend_available,
+        backend_order,
+        check_backend_name,
+    )
+    from mcp_edge.agent.runtime.runner import BackendUnavailableError
 
     flag_of: dict[str, str] = {}
     for alias, provider in PROVIDER_ALIASES.items():
         flag_of.setdefault(provider, alias)
-    offered = set(onnxruntime.get_available_providers())
+    usable: dict[str, bool] = {}
+
+    def offered(choice: BackendChoice) -> bool | None:
+        if choice.backend == "tflite":
+            return None
+        key = "openvino" if choice.backend == "openvino" else choice.provider
+        if key not in usable:
+            usable[key] = backend_available(key) is None
+        return usable[key]
+
     try:
-        if backend not in (None, "onnxruntime", "tflite"):
-            provider_alias(backend)
-        onnx = None
-        if "onnx" in profile.runtime.formats and backend != "tflite":
-            onnx = [p for p, _ in onnx_providers(profile, backend)]
+        if backend is not None:
+            check_backend_name(backend)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--backend'") from e
+    onnx: list[BackendChoice] | None = None
+    if "onnx" in profile.runtime.formats:
+        try:
+            onnx = backend_order(profile, "onnx", backend)
+        except BackendUnavailableError:
+            onnx = None
     listed = [
         {
             "name": b.name,
             "provider": b.provider,
             "opt_in": b.opt_in,
-            "flag": "tflite" if b.name == "tflite" else flag_of.get(b.provider, b.provider),
-            "offered_here": b.provider in offered if b.name == "onnxruntime" else None,
+            "flag": b.name if b.name != "onnxruntime" else flag_of.get(b.provider, b.provider),
+            "offered_here": offered(BackendChoice(b.name, b.provider)),
         }
         for b in profile.runtime.backends
     ]
     return {
         "backends": listed,
-        "onnx_order": onnx,
-        "onnx_would_use": next((p for p in onnx or [] if p in offered), None),
+        "onnx_order": [_step(c) for c in onnx] if onnx is not None else None,
+        "onnx_would_use": next((_step(c) for c in onnx or [] if offered(c)), None),
         "tflite": _tflite_plan(profile, backend),
     }
 
 
+def _step(choice: BackendChoice) -> str:
+    """A step of the ``.onnx`` order: the provider for onnxruntime, ``openvino/DEVICE`` else."""
+    return choice.provider if choice.backend == "onnxruntime" else choice.label
+
+
 def _tflite_plan(profile: HardwareProfile, backend: str | None) -> str:
-    """How a ``.tflite`` model would run, following the loader's XNNPACK rule."""
+    """How a ``.tflite`` model would run, following the loader's order."""
+    from mcp_edge.agent.runtime.loader import backend_order
+    from mcp_edge.agent.runtime.runner import BackendUnavailableError
+
     if "tflite" not in profile.runtime.formats:
         return "profile does not run .tflite models"
-    if backend in (None, "tflite"):
-        entries = [b for b in profile.runtime.backends if b.name == "tflite" and not b.opt_in]
-        xnnpack = not entries or entries[0].provider.upper() == "XNNPACK"
-    elif backend.lower() in ("xnnpack", "cpu"):
-        xnnpack = backend.lower() == "xnnpack"
-    else:
+    try:
+        order = backend_order(profile, "tflite", backend)
+    except BackendUnavailableError:
         return f"refused with --backend {backend} (use xnnpack or cpu)"
+    xnnpack = order[0].provider.upper() == "XNNPACK"
     return "TFLite interpreter, XNNPACK delegate " + ("on" if xnnpack else "off")
 
 
@@ -259,7 +288,11 @@ def _render_backends(report: dict[str, Any]) -> list[str]:
         if b["opt_in"]:
             marks.append(f"opt-in: --backend {b['flag']}")
         if b["offered_here"] is False:
-            marks.append("not offered by this onnxruntime")
+            marks.append(
+                "OpenVINO not usable here"
+                if b["name"] == "openvino"
+                else "not offered by this onnxruntime"
+            )
         if requested and requested == b["flag"]:
             marks.append("asked for with --backend")
         note = f"  ({'; '.join(marks)})" if marks else ""

@@ -29,15 +29,18 @@ READ_CAP_BYTES = 2 * 1024 * 1024
 MAX_TEXT_CHARS, MAX_FLAGS, MAX_FLAG_CHARS = 200, 256, 32
 """Caps on what facts keep (model strings; CPU flags), so they fit in an enrollment request."""
 
-RELEVANT_PACKAGES = (
-    "onnxruntime",
-    "onnxruntime-gpu",
-    "onnxruntime-openvino",
-    "ai-edge-litert",
-    "tflite-runtime",
-    "openvino",
-    "tensorrt",
-)
+BACKEND_DISTRIBUTIONS: Mapping[str, tuple[str, ...]] = {
+    "onnxruntime": ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino"),
+    "openvino": ("openvino",),
+    "tflite": ("ai-edge-litert", "tflite-runtime"),
+    "tensorrt": ("tensorrt",),
+}
+"""The distributions that bring each backend: ``onnxruntime-gpu`` adds the CUDA and TensorRT
+providers, ``onnxruntime-openvino`` the OpenVINO execution provider (``--backend openvino-ep``);
+``openvino`` is the OpenVINO runtime itself (the ``openvino`` backend, reading ``.onnx``);
+``tensorrt`` the libraries onnxruntime's TensorRT provider loads."""
+
+RELEVANT_PACKAGES = tuple(name for names in BACKEND_DISTRIBUTIONS.values() for name in names)
 """Distributions whose presence decides which backends can load (looked up by name)."""
 
 JETPACK_BY_L4T = {32: "4.x", 35: "5.x", 36: "6.x", 38: "7.x"}

@@ -29,6 +29,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from mcp_edge.agent.runtime.runner import (
     Array,
+    BackendUnavailableError,
     InferenceError,
     InputError,
     ModelLoadError,
@@ -215,10 +216,17 @@ class OnnxRunner:
         inter_op_threads: threads across operators (the session runs sequentially, so 1
             is the useful value); 0 lets onnxruntime pick.
         allow_spinning: let idle intra-op threads spin (lower latency, busier cores).
+        fallback_to_cpu: append ``CPUExecutionProvider`` when ``providers`` lacks it; False
+            (the loader, when other backends follow) raises instead when none of
+            ``providers`` opens.
+        skipped: why backends tried before this runner were skipped (from the loader); they
+            lead ``info.fallback_reason`` and the one warning line.
 
     Raises:
         ModelLoadError: the model does not load even on the CPU provider, or its inputs or
             outputs have types the Open Inference Protocol cannot carry.
+        BackendUnavailableError: ``fallback_to_cpu`` is False and none of ``providers``
+            could open a session.
     """
 
     def __init__(
@@ -229,6 +237,8 @@ class OnnxRunner:
         intra_op_threads: int = 0,
         inter_op_threads: int = 1,
         allow_spinning: bool = True,
+        fallback_to_cpu: bool = True,
+        skipped: Sequence[str] = (),
     ) -> None:
         if isinstance(path_or_bytes, bytes):
             model: str | bytes = path_or_bytes
@@ -237,7 +247,9 @@ class OnnxRunner:
             model = os.fspath(path_or_bytes)
             self._label = os.path.basename(model)
         options = _session_options(intra_op_threads, inter_op_threads, allow_spinning)
-        session, fallback_reason = self._open(model, options, providers)
+        session, fallback_reason = self._open(
+            model, options, providers, fallback_to_cpu=fallback_to_cpu, skipped=skipped
+        )
         self._session: ort.InferenceSession | None = session
 
         inputs = tuple(self._spec(arg) for arg in session.get_inputs())
@@ -269,12 +281,16 @@ class OnnxRunner:
         model: str | bytes,
         options: ort.SessionOptions,
         providers: Sequence[tuple[str, Mapping[str, Any]]],
+        *,
+        fallback_to_cpu: bool,
+        skipped: Sequence[str],
     ) -> tuple[ort.InferenceSession, str | None]:
         available = set(ort.get_available_providers())
         wanted = [(name, dict(opts)) for name, opts in providers]
-        if all(name != CPU_PROVIDER for name, _ in wanted):
+        if fallback_to_cpu and all(name != CPU_PROVIDER for name, _ in wanted):
             wanted.append((CPU_PROVIDER, {}))
-        skipped: list[str] = []
+        earlier = len(skipped)
+        skipped = list(skipped)
         candidates: list[tuple[str, dict[str, Any]]] = []
         for name, opts in wanted:
             if name in available:
@@ -300,6 +316,8 @@ class OnnxRunner:
             if reason is not None:
                 log.warning("%s: running on %s; skipped %s", self._label, used, reason)
             return session, reason
+        if not fallback_to_cpu:
+            raise BackendUnavailableError("; ".join(skipped[earlier:]) or "no provider given")
         # Unreachable: CPU is always a candidate, and its failure raises above.
         raise ModelLoadError(f"{self._label}: no execution provider could load the model")
 

@@ -111,8 +111,18 @@ def choose_profile(name: str | None) -> tuple[HardwareProfile, list[str]]:
 
 
 def runner_factory(
-    profile: HardwareProfile, *, workers: int, threads: int | None, backend: str | None
+    profile: HardwareProfile,
+    *,
+    workers: int,
+    threads: int | None,
+    backend: str | None,
+    cache_dir: Path | None = None,
 ) -> RunnerFactory:
+    """Open ``workers`` runners per model version with :func:`load_runner`.
+
+    ``cache_dir``: the agent's cache directory (``STATE_DIR/cache``), where backends keep
+    compiled models and engines; None: no caches.
+    """
     from mcp_edge.agent.runtime.loader import load_runner
 
     per_instance = threads
@@ -129,6 +139,7 @@ def runner_factory(
                         profile,
                         backend=source.backend or backend,
                         threads=per_instance,
+                        cache_dir=cache_dir,
                     )
                 )
         except BaseException:
@@ -163,7 +174,11 @@ async def run_server(
     log.info("profile %s (%s)", profile.name, "; ".join(reasons[:3]))
     manager = ModelManager(
         runner_factory(
-            profile, workers=config.workers, threads=config.threads, backend=config.backend
+            profile,
+            workers=config.workers,
+            threads=config.threads,
+            backend=config.backend,
+            cache_dir=config.state_dir / "cache",
         ),
         batching=config.batching,
     )
@@ -336,7 +351,8 @@ _SERVING_OPTIONS: tuple[_OptionDecorator, ...] = (
     click.option(
         "--backend",
         default=None,
-        help="Backend or provider to try first (cpu, cuda, tensorrt, coreml, openvino, xnnpack).",
+        help="Runtime or provider to try first: onnxruntime, openvino, tflite, or an "
+        "onnxruntime provider (cpu, cuda, tensorrt, coreml, openvino-ep, xnnpack).",
     ),
     click.option(
         "--trust-key",

@@ -382,16 +382,30 @@ def test_doctor_apple_silicon_with_coreml(tmp_path: Path) -> None:
     ]
 
 
-def test_doctor_marks_openvino_opt_in_on_xeon(tmp_path: Path) -> None:
+def test_doctor_on_xeon_runs_openvino_first_and_the_ep_opt_in(tmp_path: Path) -> None:
     cpuinfo = x86_cpuinfo("Intel(R) Xeon(R) Gold 6338", XEON_FLAGS, 2)
     root = fake_root(tmp_path, {"/proc/cpuinfo": cpuinfo})
     plain = doctor(root, machine="x86_64")
     assert plain.exit_code == 0, plain.output
-    assert "OpenVINOExecutionProvider  (opt-in: --backend openvino" in plain.output
-    assert ".onnx models    CPUExecutionProvider\n" in plain.output
-    asked = doctor(root, "--backend", "openvino", machine="x86_64")
+    assert "1. openvino/CPU\n" in plain.output
+    assert "OpenVINOExecutionProvider  (opt-in: --backend openvino-ep" in plain.output
+    assert ".onnx models    openvino/CPU -> CPUExecutionProvider\n" in plain.output
+    assert "would use     openvino/CPU\n" in plain.output
+    assert "openvino     " in plain.output.split("Loadable here")[1]
+    asked = doctor(root, "--backend", "openvino-ep", machine="x86_64")
     assert ".onnx models    OpenVINOExecutionProvider -> CPUExecutionProvider" in asked.output
     assert "asked for with --backend" in asked.output
+    report = json.loads(doctor(root, "--backend", "openvino", "--json", machine="x86_64").output)
+    assert report["onnx_order"] == ["openvino/CPU", "CPUExecutionProvider"]
+    openvino = report["backends"][0]
+    assert openvino == {
+        "name": "openvino",
+        "provider": "CPU",
+        "opt_in": False,
+        "flag": "openvino",
+        "offered_here": True,
+    }
+    assert "CPU" in report["available"]["openvino"].split(": ", 1)[1].split(", ")
 
 
 def test_doctor_refuses_unknown_names_with_exit_2(tmp_path: Path) -> None:

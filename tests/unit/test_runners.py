@@ -306,7 +306,7 @@ def test_loader_refuses_what_does_not_fit(digits: DigitsModels, tmp_path: Path) 
 def test_provider_aliases() -> None:
     assert provider_alias("cuda") == "CUDAExecutionProvider"
     assert provider_alias("TensorRT") == "TensorrtExecutionProvider"
-    assert provider_alias("openvino") == "OpenVINOExecutionProvider"
+    assert provider_alias("openvino-ep") == "OpenVINOExecutionProvider"
     assert provider_alias("CPUExecutionProvider") == "CPUExecutionProvider"
     with pytest.raises(ValueError, match="unknown backend"):
         provider_alias("gpu-please")
