@@ -174,7 +174,8 @@ class TFLiteRunner:
     Args:
         path: the ``.tflite`` file.
         num_threads: threads for the CPU kernels and XNNPACK; ``None`` or 0 keeps the
-            interpreter's default (one thread in ai-edge-litert's Python wrapper).
+            interpreter's default (one thread in ai-edge-litert's Python wrapper, the C++
+            default in tflite-runtime's). Recorded in ``info.details["num_threads"]``.
         use_xnnpack: let the interpreter apply its default XNNPACK delegate; False runs the
             builtin kernels only.
         implementation: ``'ai-edge-litert'`` or ``'tflite-runtime'``; ``None`` takes
