@@ -163,6 +163,21 @@ class Device:
     agent: UpdateAgent
     manager: ModelManager
     sink: Sink
+    transport: MqttRepoTransport
+    profile: HardwareProfile
+
+
+class Crash(BaseException):
+    """Raised by a phase hook: the agent stops there as if the process died (its record is
+    on disk, nothing after it ran)."""
+
+
+def crash_at(phase: Phase, when: Any = None) -> Any:
+    def hook(at: Phase, record: Any) -> None:
+        if at is phase and (when is None or when(record)):
+            raise Crash(f"crashed at {phase.value}")
+
+    return hook
 
 
 @dataclass
@@ -193,7 +208,9 @@ class Fleet:
         return TargetRef(version=row["version"], target_path=row["target_path"],
                          sha256=row["sha256"], length=row["length"])  # fmt: skip
 
-    async def device(self, device_id: str, profile: HardwareProfile) -> Device:
+    async def device(
+        self, device_id: str, profile: HardwareProfile, *, phase_hook: Any = None
+    ) -> Device:
         suffix = uuid.uuid4().hex[:8]
         config = FleetConfig(device_id=device_id, client_id=f"{device_id}-{suffix}",
                              host=self.broker.host, port=self.broker.port,
@@ -206,14 +223,26 @@ class Fleet:
         await session.start()
         self.stack.push_async_callback(session.close)
         await session.wait_online(10)
+        return await self.start_agent(device_id, profile, transport, phase_hook=phase_hook)
+
+    async def start_agent(
+        self, device_id: str, profile: HardwareProfile, transport: MqttRepoTransport, *,
+        phase_hook: Any = None,
+    ) -> Device:  # fmt: skip
+        """An update agent on ``device_id``'s state directory (as after a restart), resumed."""
         manager = ModelManager(runner_factory(profile, workers=1, threads=1, backend=None))
         self.stack.push_async_callback(manager.close)
         sink = Sink()
         root = (self.repo_dir / "metadata" / "root.json").read_bytes()
         agent = UpdateAgent(self.tmp / device_id, device_id, profile, manager, transport,
-                            [self.director.public_key], events=sink, tuf_root=root)  # fmt: skip
+                            [self.director.public_key], events=sink, tuf_root=root,
+                            phase_hook=phase_hook)  # fmt: skip
         await agent.resume()
-        return Device(device_id, agent, manager, sink)
+        return Device(device_id, agent, manager, sink, transport, profile)
+
+    async def restart(self, device: Device) -> Device:
+        """The agent of ``device`` started again after a crash: resumes what it left."""
+        return await self.start_agent(device.device_id, device.profile, device.transport)
 
     async def deploy(self, device: Device, ref: TargetRef) -> None:
         self.seq += 1
@@ -480,3 +509,48 @@ async def test_a_publish_failing_half_way_lists_none_of_its_parts(
 
     status, answer_ = await fleet.cp.call("GET", "/api/v1/models/digits/versions/2.0.0")
     assert status == 404, answer_
+
+
+async def test_a_crash_after_the_parts_are_staged_resumes_without_fetching_them_again(
+    fleet: Fleet, files: Files, digits: DigitsModels
+) -> None:
+    ref = await fleet.publish(make_bundle(files, fleet.tmp, "1.0.0", fleet.publisher))
+    xeon_size = part_lengths(fleet, ref)["models/model.xeon.onnx"]
+    crashed = await fleet.device("dev-xeon-7", profile("intel-xeon"),
+                                 phase_hook=crash_at(Phase.VERIFYING))  # fmt: skip
+    with pytest.raises(Crash):
+        await fleet.deploy(crashed, ref)
+    record = crashed.agent.store.record("digits")
+    assert record is not None and (record.phase, record.variant) == (Phase.VERIFYING, "xeon")
+
+    before = fleet.bytes_sent()
+    again = await fleet.restart(crashed)
+    sent = fleet.bytes_sent() - before
+
+    version, _ = await answer(again.manager, digits)
+    assert version == "1.0.0"
+    assert install_info(again, "1.0.0")["variant"] == "xeon"
+    assert sent < xeon_size  # metadata only: the staged parts were reused
+    assert list((fleet.tmp / "dev-xeon-7" / "staging").iterdir()) == []
+
+
+async def test_a_crash_after_a_variant_failed_resumes_with_the_next_one(
+    fleet: Fleet, files: Files, digits: DigitsModels
+) -> None:
+    ref = await fleet.publish(make_bundle(files, fleet.tmp, "1.0.0", fleet.publisher,
+                                          xeon=files.nan))  # fmt: skip
+    hook = crash_at(Phase.DOWNLOADING, lambda record: bool(record.failed_variants))
+    crashed = await fleet.device("dev-xeon-8", profile("intel-xeon"), phase_hook=hook)
+    with pytest.raises(Crash):
+        await fleet.deploy(crashed, ref)
+    record = crashed.agent.store.record("digits")
+    assert record is not None and record.phase is Phase.DOWNLOADING
+    assert set(record.failed_variants) == {"xeon"} and record.variant is None
+
+    again = await fleet.restart(crashed)
+
+    version, _ = await answer(again.manager, digits)
+    assert version == "1.0.0"
+    assert install_info(again, "1.0.0")["variant"] == "default"
+    downloads = [m for m in again.sink.messages("1.0.0") if m.startswith("downloaded")]
+    assert downloads and downloads[0].startswith("downloaded variant default")
