@@ -4,7 +4,8 @@
 #   bash tests/run.sh -k bundle -x    # arguments go to pytest
 # Installs Debian's mosquitto and chromium when missing, axe-core (npm) into .cache/axe, then
 # .venv (or $MCP_VENV) with the project and its extras at the versions pinned in
-# deploy/constraints.txt (deploy/setup-venv.sh).
+# deploy/constraints.txt (deploy/setup-venv.sh), and .venv-ovep with onnxruntime-openvino
+# (deploy/setup-venv-ovep.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,4 +32,7 @@ if [ ! -f .cache/axe/node_modules/axe-core/axe.min.js ]; then
 fi
 
 bash deploy/setup-venv.sh
+# .venv-ovep: onnxruntime-openvino (OpenVINOExecutionProvider) cannot share the main venv;
+# tests/integration/test_ovep_env.py runs tests/ovep in it.
+bash deploy/setup-venv-ovep.sh
 exec "${MCP_VENV:-.venv}/bin/python" -m pytest "$@"
