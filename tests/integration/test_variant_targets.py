@@ -16,9 +16,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
+import subprocess
 import tarfile
+import urllib.error
+import urllib.request
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -60,9 +64,21 @@ from mcp_edge.shared.protocol.state import (
 )
 from mcp_edge.shared.signing import PrivateKey, read_private_key
 from mcp_edge.tooling.models import DigitsModels, onnx_predict
-from mcp_edge.tooling.mosquitto import MosquittoBroker
+from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker, MosquittoBroker
+from mcp_edge.tooling.processes import (
+    AGENT,
+    BUNDLE,
+    CONTROLPLANE,
+    REPO,
+    free_port,
+    init_control_plane,
+    serve_control_plane,
+    stopped_at_exit,
+    wait_until,
+)
 from tests.support.controlplane import ControlPlane, FakeClock, start_control_plane
 
+CP = CONTROLPLANE
 LABELS = "\n".join(f"digit-{i}" for i in range(10)) + "\n"
 
 
@@ -554,3 +570,113 @@ async def test_a_crash_after_a_variant_failed_resumes_with_the_next_one(
     assert install_info(again, "1.0.0")["variant"] == "default"
     downloads = [m for m in again.sink.messages("1.0.0") if m.startswith("downloaded")]
     assert downloads and downloads[0].startswith("downloaded variant default")
+
+
+# ---------------------------------------------------------------------- real processes
+
+
+def _http_json(url: str, token: str | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _repo_bytes(cp_url: str) -> float:
+    with urllib.request.urlopen(f"{cp_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for line in text.splitlines():
+        if line.startswith("mcp_cp_repo_bytes_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return int(r.status) == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    with stopped_at_exit() as procs:
+        yield procs
+
+
+@pytest.mark.timeout(300)
+def test_mcp_agent_run_with_profile_intel_xeon_fetches_its_variant_from_the_control_plane(
+    fresh_dynsec_broker: DynsecMosquittoBroker,
+    files: Files,
+    digits: DigitsModels,
+    tmp_path: Path,
+    processes: list[subprocess.Popen[str]],
+) -> None:
+    """``mcp-controlplane serve`` and ``mcp-agent run --profile intel-xeon`` as processes: the
+    bundle has a default, a xeon variant and a large variant for another profile; the agent
+    fetches what its profile needs and never the other profile's file."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def sh(*args: Any) -> str:
+        done = subprocess.run([str(a) for a in args], capture_output=True, text=True,
+                              timeout=120, cwd=REPO, env=env)  # fmt: skip
+        assert done.returncode == 0, f"{args[2:5]}: {done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    data = tmp_path / "cp"
+    api = init_control_plane(data, fresh_dynsec_broker, env=env)
+    _, cp_url = serve_control_plane(data, processes, env=env)
+    auth = ("--server", cp_url, "--token", api)
+    key_path = tmp_path / "publisher.key"
+    sh(*BUNDLE, "keygen", "--out", key_path)
+    sh(*CP, "publishers", "add", key_path, "--name", "vision-team", *auth)
+    jetson = padded(digits.onnx_path, tmp_path / "jetson.onnx", 250_000)
+    bundle = tmp_path / "digits-1.0.0.mcpb"
+    build_bundle(files.default, bundle, name="digits", version="1.0.0", labels_path=files.labels,
+                 variants={"xeon": VariantSource(files.xeon, ("intel-xeon",)),
+                           "orin": VariantSource(jetson, ("jetson-orin",))})  # fmt: skip
+    sign_bundle(bundle, read_private_key(key_path), validate_models=False)
+    sh(*BUNDLE, "push", bundle, *auth)
+
+    token = sh(*CP, "tokens", "create", "--uses", "1", "--expires", "1h", *auth).strip()
+    state = tmp_path / "agent"
+    sh(*AGENT, "enroll", "--server", cp_url, "--token", token.splitlines()[-1],
+       "--device-id", "xeon-1", "--state-dir", state, "--profile", "intel-xeon")  # fmt: skip
+    port = free_port()
+    with (tmp_path / "agent.log").open("w") as log:
+        processes.append(subprocess.Popen(
+            [*AGENT, "run", "--port", str(port), "--state-dir", str(state),
+             "--profile", "intel-xeon", "--health-interval", "1"],
+            stdout=subprocess.DEVNULL, stderr=log, text=True, cwd=REPO, env=env,
+        ))  # fmt: skip
+    devices = f"{cp_url}/api/v1/devices"
+    wait_until(lambda: _http_json(devices, api)["items"][0].get("online"), "xeon-1 online", 90)
+
+    before = _repo_bytes(cp_url)
+    sh(*CP, "deploy", "digits", "1.0.0", "--device", "xeon-1", *auth)
+    ready = f"http://127.0.0.1:{port}/v2/models/digits/ready"
+    wait_until(lambda: _ready(ready), "digits 1.0.0 served by the agent", 120)
+    sent = _repo_bytes(cp_url) - before
+
+    info = json.loads((state / "models" / "digits" / "1.0.0" / "install.json").read_text())
+    root = state / "models" / "digits" / "1.0.0"
+    present = {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+    assert "models/model.orin.onnx" not in present
+    sizes = {"xeon": files.xeon.stat().st_size, "default": files.default.stat().st_size}
+    measured = load_profiles()["intel-xeon"].runtime.selection.measure
+    needed = sizes["xeon"] + (sizes["default"] if measured else 0)
+    assert info["variant"] in (("xeon", "default") if measured else ("xeon",))
+    assert needed <= sent < bundle.stat().st_size, (sent, bundle.stat().st_size)
+
+    def downloaded() -> list[dict[str, Any]]:
+        items = _http_json(f"{cp_url}/api/v1/devices/xeon-1/events?limit=200", api)["items"]
+        return [e for e in items if e["phase"] == "downloading" and e["outcome"] == "ok"]
+
+    wait_until(downloaded, "the downloaded event at the control plane", 30)
+    event = downloaded()[-1]
+    assert event["bytes_total"] == bundle.stat().st_size
+    assert needed <= event["bytes_done"] < bundle.stat().st_size
+    print(
+        f"\nmcp-agent --profile intel-xeon: repository sent {sent:.0f} bytes for a "
+        f"{bundle.stat().st_size}-byte bundle (measured: {measured}); {event['message']}"
+    )
