@@ -35,4 +35,15 @@ bash deploy/setup-venv.sh
 # .venv-ovep: onnxruntime-openvino (OpenVINOExecutionProvider) cannot share the main venv;
 # tests/integration/test_ovep_env.py runs tests/ovep in it.
 bash deploy/setup-venv-ovep.sh
+# tflite-runtime 2.14 (its last release) is built against NumPy 1 and cannot run under the
+# NumPy 2 of .venv: tests/integration/test_tflite_runtime_numpy1.py runs its tests with this
+# NumPy 1 overlay on PYTHONPATH.
+numpy1=.cache/numpy1
+if [ "$(cat "$numpy1/.stamp" 2>/dev/null)" != "numpy==1.26.4" ]; then
+  echo "tests/run.sh: installing numpy 1.26.4 into $numpy1 (for tflite-runtime)" >&2
+  rm -rf "$numpy1"
+  "${MCP_VENV:-.venv}/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+    --target "$numpy1" numpy==1.26.4
+  echo "numpy==1.26.4" > "$numpy1/.stamp"
+fi
 exec "${MCP_VENV:-.venv}/bin/python" -m pytest "$@"
