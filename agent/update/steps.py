@@ -582,7 +582,7 @@ class DeploymentRunner:
         except RunnerError as e:
             raise UpdateError(Cause.LOAD_FAILED, f"no candidate passed its checks: {e}") from e
         self.emit(record, Phase.VERIFYING, EventOutcome.PROGRESS, chosen.summary())
-        return chosen.chosen.variant, chosen.chosen.backend, chosen.to_json()
+        return chosen.chosen.variant, chosen.chosen.backend, _member_paths(chosen.to_json(), root)
 
     def _write_info(
         self, record: UpdateRecord, manifest: BundleManifest, unpack: Path, tag: str,
@@ -857,6 +857,20 @@ def _place(staged: Path, dest: Path) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, dest)
     os.chmod(dest, 0o644)
+
+
+def _member_paths(doc: Any, root: Path) -> Any:
+    """``doc`` with each ``model_path`` under ``root`` (the unpack directory, gone once the
+    version is installed) written as the member path inside the version directory."""
+    if isinstance(doc, dict):
+        out = {k: _member_paths(v, root) for k, v in doc.items()}
+        path = out.get("model_path")
+        if isinstance(path, str) and Path(path).is_relative_to(root):
+            out["model_path"] = Path(path).relative_to(root).as_posix()
+        return out
+    if isinstance(doc, list):
+        return [_member_paths(v, root) for v in doc]
+    return doc
 
 
 def _human(n: int) -> str:

@@ -38,6 +38,7 @@ from mcp_edge.agent.fleet.spool import Spool
 from mcp_edge.agent.runtime.manager import ModelManager
 from mcp_edge.agent.serving.serve import runner_factory
 from mcp_edge.agent.update.machine import Cause, Phase
+from mcp_edge.agent.update.transport_http import HttpRepoTransport
 from mcp_edge.agent.update.transport_mqtt import MqttRepoTransport, MqttTransportConfig
 from mcp_edge.agent.update.updater import UpdateAgent
 from mcp_edge.controlplane.broker.base import Credentials
@@ -179,7 +180,8 @@ class Device:
     agent: UpdateAgent
     manager: ModelManager
     sink: Sink
-    transport: MqttRepoTransport
+    transport: Any
+    """The agent's way to the repository (MQTT through the broker, or HTTP)."""
     profile: HardwareProfile
 
 
@@ -242,7 +244,7 @@ class Fleet:
         return await self.start_agent(device_id, profile, transport, phase_hook=phase_hook)
 
     async def start_agent(
-        self, device_id: str, profile: HardwareProfile, transport: MqttRepoTransport, *,
+        self, device_id: str, profile: HardwareProfile, transport: Any, *,
         phase_hook: Any = None,
     ) -> Device:  # fmt: skip
         """An update agent on ``device_id``'s state directory (as after a restart), resumed."""
@@ -386,6 +388,23 @@ async def test_each_device_fetches_only_its_variant_and_serves_it(
     )
 
 
+async def test_over_http_the_device_fetches_only_its_variant_too(
+    fleet: Fleet, files: Files, digits: DigitsModels
+) -> None:
+    """``mcp-agent run --repo http://cp/repo``: the same parts through the control plane's
+    ``/repo/targets/...`` routes (paths with a folder: ``models/...``)."""
+    ref = await fleet.publish(make_bundle(files, fleet.tmp, "1.0.0", fleet.publisher))
+    base = str(fleet.cp.client.make_url("/repo")).rstrip("/")
+    device = await fleet.start_agent("dev-http-1", profile("intel-xeon"), HttpRepoTransport(base))
+
+    await fleet.deploy(device, ref)
+
+    assert install_info(device, "1.0.0")["variant"] == "xeon"
+    assert "models/model.onnx" not in installed_files(device, "1.0.0")
+    version, _ = await answer(device.manager, digits)
+    assert version == "1.0.0"
+
+
 async def test_measuring_fetches_the_candidates_and_installs_the_chosen_one(
     fleet: Fleet, files: Files, digits: DigitsModels
 ) -> None:
@@ -398,6 +417,7 @@ async def test_measuring_fetches_the_candidates_and_installs_the_chosen_one(
     info = install_info(xeon, "1.0.0")
     assert info["choice"] is not None and info["backend"] == info["choice"]["chosen"]["backend"]
     assert info["variant"] == info["choice"]["chosen"]["variant"]
+    assert info["choice"]["chosen"]["model_path"] == info["model_file"]  # inside the version dir
     tried = {(t["variant"], t["backend"]) for t in info["choice"]["trials"]}
     assert {"xeon", "default"} <= {variant for variant, _ in tried}
     chosen_file = "models/model.xeon.onnx" if info["variant"] == "xeon" else "models/model.onnx"
