@@ -9,6 +9,8 @@ Typical use::
     from mcp_edge.shared.bundle import build_bundle, sign_bundle, verify_bundle, open_bundle
 
     build_bundle("model.onnx", "digits-1.3.0.mcpb", name="digits", version="1.3.0")
+    build_bundle("model.onnx", "digits-1.3.0.mcpb", name="digits", version="1.3.0",
+                 baseline_npy="samples.npy", quantize="int8")   # + an INT8 variant
     sign_bundle("digits-1.3.0.mcpb", publisher_key)
     verified = verify_bundle("digits-1.3.0.mcpb", [publisher_key.public_key])
     opened = open_bundle("digits-1.3.0.mcpb", models_dir / "digits-1.3.0", trusted_keys)
@@ -32,10 +34,12 @@ from mcp_edge.shared.bundle.manifest import (
     LabelsRef,
     OutputBaseline,
     Preprocessing,
+    Quantization,
     TensorSpec,
     Variant,
 )
 from mcp_edge.shared.bundle.models import RuntimeUnavailableError
+from mcp_edge.shared.bundle.quantize import measure_quantized, quantize_int8
 from mcp_edge.shared.bundle.verify import (
     OpenedBundle,
     VerifiedBundle,
@@ -57,6 +61,7 @@ __all__ = [
     "OpenedBundle",
     "OutputBaseline",
     "Preprocessing",
+    "Quantization",
     "RuntimeUnavailableError",
     "TensorSpec",
     "Variant",
@@ -65,7 +70,9 @@ __all__ = [
     "build_bundle",
     "encode_manifest",
     "inspect_bundle",
+    "measure_quantized",
     "open_bundle",
+    "quantize_int8",
     "sign_bundle",
     "verify_bundle",
 ]

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -23,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import Any, BinaryIO, Literal, TypeVar, cast
 
 import numpy as np
 from pydantic import BaseModel, ValidationError
@@ -48,12 +49,22 @@ from mcp_edge.shared.bundle.manifest import (
     DriftBaseline,
     FileEntry,
     LabelsRef,
+    ModelFormat,
     Preprocessing,
+    Quantization,
     Variant,
     check_identifier,
     format_created,
 )
 from mcp_edge.shared.bundle.models import ModelInfo, detect_format, inspect_model, run_model
+from mcp_edge.shared.bundle.quantize import (
+    INT8_TAG,
+    QUANTIZE_MODES,
+    QuantizeMode,
+    measure_quantized,
+    quantize_int8,
+    synthetic_samples,
+)
 from mcp_edge.shared.bundle.tarstream import CHUNK, bundle_error
 from mcp_edge.shared.bundle.verify import VerifiedBundle
 from mcp_edge.shared.errors import BundleError, VersionError
@@ -62,6 +73,9 @@ from mcp_edge.shared.signing import PrivateKey, canonical_json, make_signature
 from mcp_edge.shared.version import SemVer
 
 LABELS_MEMBER = "labels.txt"
+QUANTIZE_CHOICES = ("int8",)
+"""What ``build_bundle(quantize=...)`` accepts."""
+_log = logging.getLogger(__name__)
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -111,7 +125,13 @@ def _schema(cls: type[_M], value: _M | Mapping[str, Any] | None, what: str) -> _
         raise BundleError(f"invalid {what}: {e}") from e
 
 
-def _variant(tag: str, source: _Source, info: ModelInfo, profiles: tuple[str, ...]) -> Variant:
+def _variant(
+    tag: str,
+    source: _Source,
+    info: ModelInfo,
+    profiles: tuple[str, ...],
+    quantization: Quantization | None = None,
+) -> Variant:
     return Variant(
         tag=tag,
         file=source.member,
@@ -121,6 +141,7 @@ def _variant(tag: str, source: _Source, info: ModelInfo, profiles: tuple[str, ..
         profiles=profiles,
         inputs=info.inputs,
         outputs=info.outputs,
+        quantization=quantization,
     )
 
 
@@ -138,11 +159,11 @@ def _check_inputs(name: str, version: str, variants: Mapping[str, VariantSource]
         raise BundleError(str(e)) from e
 
 
-def _load_samples(path: Path) -> np.ndarray[Any, Any]:
+def _load_samples(path: Path, what: str = "baseline samples") -> np.ndarray[Any, Any]:
     try:
         samples = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
-        raise BundleError(f"{path}: cannot load baseline samples (.npy, no pickles): {e}") from e
+        raise BundleError(f"{path}: cannot load {what} (.npy, no pickles): {e}") from e
     if not isinstance(samples, np.ndarray):
         raise BundleError(f"{path}: expected one array in a .npy file")
     return samples
@@ -181,6 +202,9 @@ def build_bundle(
     created: datetime | None = None,
     limits: BundleLimits | None = None,
     progress: bool = False,
+    quantize: str | None = None,
+    quantize_mode: str | None = None,
+    calibration_labels: Path | str | None = None,
 ) -> BundleManifest:
     """Validate ``model_path`` (and each variant), record what they are, write ``out_path``.
 
@@ -188,6 +212,16 @@ def build_bundle(
     itself when none are given). ``baseline_npy`` holds samples ``[N, ...]`` for the single
     input; the model is run on them for the output baseline. ``metadata`` adds to (and
     overrides) the ONNX model's own metadata_props. ``created`` defaults to now (UTC).
+
+    ``quantize="int8"`` adds the variant ``int8`` (``models/model.int8.onnx``, profile
+    ``int8``) quantized from the ONNX default model by
+    :func:`~shared.bundle.quantize.quantize_int8`, with its measured cost in
+    ``quantization``: ``quantize_mode`` "static"
+    (calibrated on the baseline samples, which it needs) or "dynamic"; by default static when
+    ``baseline_npy`` is given, else dynamic. The figures are measured on the baseline samples
+    (on :data:`~shared.bundle.quantize.SYNTHETIC_SAMPLES` seeded uniform [0, 1) inputs when
+    there are none); ``calibration_labels`` (``.npy``, one integer class per baseline sample)
+    adds ``accuracy_delta``.
     Raises :class:`BundleError` (:class:`~shared.errors.ModelValidationError` for a model
     that fails its checks).
     """
@@ -196,7 +230,148 @@ def build_bundle(
     _check_inputs(name, version, variants)
     model_path = Path(model_path)
     fmt = detect_format(model_path)
+    mode = _check_quantize(quantize, quantize_mode, fmt, variants, baseline_npy, calibration_labels)
     info = inspect_model(model_path, fmt)
+    work = Path(tempfile.mkdtemp(prefix=".quantize-", dir=Path(out_path).parent)) if mode else None
+    try:
+        return _build(
+            model_path,
+            Path(out_path),
+            fmt,
+            info,
+            name=name,
+            version=version,
+            labels_path=labels_path,
+            variants=variants,
+            baseline_npy=baseline_npy,
+            preprocessing=preprocessing,
+            constraints=constraints,
+            metadata=metadata,
+            created=created,
+            limits=limits,
+            progress=progress,
+            quantize=(mode, work, calibration_labels) if mode and work else None,
+        )
+    finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _check_quantize(
+    quantize: str | None,
+    quantize_mode: str | None,
+    fmt: str,
+    variants: Mapping[str, VariantSource],
+    baseline_npy: Path | str | None,
+    calibration_labels: Path | str | None,
+) -> QuantizeMode | None:
+    """The quantization mode to use (None: no quantized variant), or a clear BundleError."""
+    if quantize is None:
+        if quantize_mode is not None or calibration_labels is not None:
+            raise BundleError("a quantization mode or baseline labels need --quantize int8")
+        return None
+    if quantize not in QUANTIZE_CHOICES:
+        raise BundleError(
+            f"cannot quantize to {quantize!r}; supported: {', '.join(QUANTIZE_CHOICES)}"
+        )
+    if fmt != "onnx":
+        raise BundleError(
+            f"--quantize {quantize} quantizes an ONNX default model with onnxruntime; "
+            f"the default model is {fmt}"
+        )
+    if INT8_TAG in variants:
+        raise BundleError(
+            f"the bundle already has a variant tagged {INT8_TAG!r}; drop it or --quantize"
+        )
+    if calibration_labels is not None and baseline_npy is None:
+        raise BundleError("baseline labels need the baseline samples they label (--baseline)")
+    mode = quantize_mode or ("static" if baseline_npy is not None else "dynamic")
+    if mode not in QUANTIZE_MODES:
+        raise BundleError(f"unknown quantization mode {mode!r}; use static or dynamic")
+    if mode == "static" and baseline_npy is None:
+        raise BundleError(
+            "static INT8 quantization calibrates on the baseline samples; pass --baseline "
+            "SAMPLES.npy (or --quantize-mode dynamic)"
+        )
+    return "static" if mode == "static" else "dynamic"
+
+
+def _int8_variant(
+    model_path: Path,
+    info: ModelInfo,
+    mode: QuantizeMode,
+    work: Path,
+    baseline_npy: Path | str | None,
+    labels_npy: Path | str | None,
+    limits: BundleLimits,
+    progress: bool,
+) -> tuple[Variant, _Source]:
+    if len(info.inputs) != 1:
+        raise BundleError("--quantize needs a model with exactly one input")
+    spec = info.inputs[0]
+    samples = _load_samples(Path(baseline_npy)) if baseline_npy is not None else None
+    labels = None
+    if labels_npy is not None:
+        labels = _load_samples(Path(labels_npy), "baseline labels")
+        count = samples.shape[0] if samples is not None and samples.ndim else 0
+        if labels.ndim != 1 or labels.dtype.kind not in "iu" or labels.shape[0] != count:
+            raise BundleError(
+                f"{labels_npy}: baseline labels must be one integer class per baseline sample: "
+                f"{count} samples, labels of shape {list(labels.shape)} ({labels.dtype})"
+            )
+    path = quantize_int8(
+        model_path,
+        work / "model.int8.onnx",
+        mode=mode,
+        calibration=samples if mode == "static" else None,
+        input_name=spec.name,
+    )
+    qinfo = inspect_model(path, "onnx", member=f"models/model.{INT8_TAG}.onnx")
+    measured = samples if samples is not None else synthetic_samples(spec)
+    scheme: Literal["int8-dynamic", "int8-static"] = (
+        "int8-static" if mode == "static" else "int8-dynamic"
+    )
+    figures = measure_quantized(
+        model_path, path, measured, labels, scheme=scheme, reference_tag=DEFAULT_TAG
+    )
+    _log.info("%s", describe_quantization(INT8_TAG, figures))
+    source = _hash_file(path, f"models/model.{INT8_TAG}.onnx", limits, progress)
+    return _variant(INT8_TAG, source, qinfo, (INT8_TAG,), figures), source
+
+
+def describe_quantization(tag: str, q: Quantization) -> str:
+    """One line of what was measured, e.g. ``int8 (static): top-1 agreement 99.4 % on 200
+    samples, accuracy -0.3 points, max |Δ| 0.021``."""
+    return f"{tag} ({q.scheme.removeprefix('int8-')}): {quantization_figures(q)}"
+
+
+def quantization_figures(q: Quantization) -> str:
+    """The measured part of :func:`describe_quantization`: agreement, accuracy, max |Δ|."""
+    text = f"top-1 agreement {100 * q.top1_agreement:.1f} % on {q.samples} samples"
+    if q.accuracy_delta is not None:
+        text += f", accuracy {q.accuracy_delta:+.1f} points"
+    return text + f", max |Δ| {q.max_abs_diff:.3g}"
+
+
+def _build(
+    model_path: Path,
+    out_path: Path,
+    fmt: ModelFormat,
+    info: ModelInfo,
+    *,
+    name: str,
+    version: str,
+    labels_path: Path | str | None,
+    variants: Mapping[str, VariantSource],
+    baseline_npy: Path | str | None,
+    preprocessing: Preprocessing | Mapping[str, Any] | None,
+    constraints: Constraints | Mapping[str, Any] | None,
+    metadata: Mapping[str, str] | None,
+    created: datetime | None,
+    limits: BundleLimits,
+    progress: bool,
+    quantize: tuple[QuantizeMode, Path, Path | str | None] | None,
+) -> BundleManifest:
     default = _hash_file(model_path, f"models/model.{fmt}", limits, progress)
     built = [_variant(DEFAULT_TAG, default, info, (ANY_PROFILE,))]
     sources = [default]
@@ -207,6 +382,13 @@ def build_bundle(
         vinfo = inspect_model(vpath, vfmt)
         source = _hash_file(vpath, f"models/model.{tag}.{vfmt}", limits, progress)
         built.append(_variant(tag, source, vinfo, tuple(spec.profiles) or (tag,)))
+        sources.append(source)
+    if quantize is not None:
+        mode, work, labels_npy = quantize
+        variant, source = _int8_variant(
+            model_path, info, mode, work, baseline_npy, labels_npy, limits, progress
+        )
+        built.append(variant)
         sources.append(source)
     labels = None
     if labels_path is not None:
