@@ -117,3 +117,28 @@ def test_the_local_backend_check_looks_at_what_is_installed() -> None:
 def test_manifest_fixture_is_what_the_tests_assume(manifest_doc: dict[str, Any]) -> None:
     assert {v["tag"] for v in manifest_doc["variants"]} == {"default", "xeon", "x86_64", "rpi"}
     assert Path(manifest_doc["variants"][0]["file"]).suffix in (".onnx", ".tflite")
+
+
+def test_the_parts_a_bundle_target_names_are_checked_before_use() -> None:
+    from tuf.api.metadata import TargetFile
+
+    from mcp_edge.agent.update.machine import Cause, UpdateError
+    from mcp_edge.agent.update.steps import parts_of
+
+    def target(custom: dict[str, Any]) -> TargetFile:
+        info = TargetFile(10, {"sha256": "0" * 64}, "digits/1.0.0/digits-1.0.0.mcpb")
+        info.unrecognized_fields["custom"] = custom
+        return info
+
+    assert parts_of(target({"model": "digits"})) is None  # published before parts existed
+    good = {"manifest": "digits/1.0.0/manifest.json", "signature": "digits/1.0.0/manifest.sig",
+            "files": {"models/model.onnx": "digits/1.0.0/models/model.onnx"}}  # fmt: skip
+    parts = parts_of(target({"parts": good}))
+    assert parts is not None and parts.files == {
+        "models/model.onnx": "digits/1.0.0/models/model.onnx"
+    }
+    for bad in ({**good, "files": ["x"]}, {**good, "manifest": 3},
+                {**good, "files": {"m": "../../etc/passwd"}}, "parts"):  # fmt: skip
+        with pytest.raises(UpdateError) as e:
+            parts_of(target({"parts": bad}))
+        assert e.value.cause is Cause.TUF_METADATA
