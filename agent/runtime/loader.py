@@ -15,7 +15,6 @@ for it) is skipped for the next one. Loading logs exactly one warning line on
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -36,7 +35,6 @@ from mcp_edge.agent.runtime.runner import (
     BackendUnavailableError,
     ModelLoadError,
     ModelRunner,
-    RunnerError,
 )
 from mcp_edge.agent.runtime.tflite_runner import TFLiteRunner, tflite_implementation, tflite_version
 from mcp_edge.shared.profiles import BackendSpec, HardwareProfile
@@ -256,7 +254,9 @@ def load_runner(
             the order.
         BackendUnavailableError: the backend does not fit the format, the profile does not
             list the format, or no backend of the order can be used here.
-        ValueError: ``backend`` is not a known name.
+        ValueError: ``backend`` is not a known name, or the last entry's options are invalid
+            (an entry before the last with invalid options is skipped like one not installed).
+        OSError: the last entry's cache directory cannot be created.
     """
     fmt = model_format(model_path)
     if fmt not in profile.runtime.formats:
@@ -285,10 +285,11 @@ def load_runner(
         last = end == len(order)
         try:
             if choice.backend == "onnxruntime":
+                providers = _ort_providers(model_path, order[start:end], cache_dir, skipped)
                 # Logs the one warning line itself, naming what was skipped before it too.
                 return OnnxRunner(
                     model_path,
-                    providers=_ort_providers(order[start:end], cache_dir),
+                    providers=providers,
                     intra_op_threads=intra,
                     inter_op_threads=profile.runtime.inter_op_threads,
                     allow_spinning=profile.runtime.allow_spinning,
@@ -297,7 +298,9 @@ def load_runner(
                 )
             reason = "; ".join(skipped) if skipped else None
             runner = _open_other(model_path, choice, intra, cache_dir, reason)
-        except (BackendUnavailableError, ModelLoadError) as e:
+        except (BackendUnavailableError, ModelLoadError, ValueError, OSError) as e:
+            # ValueError/OSError: the entry's options do not fit the backend, or its cache
+            # directory cannot be made.
             if last:
                 raise
             if choice.backend == "onnxruntime":
@@ -314,20 +317,30 @@ def load_runner(
 
 
 def _ort_providers(
-    group: list[BackendChoice], cache_dir: Path | None
+    model_path: Path, group: list[BackendChoice], cache_dir: Path | None, skipped: list[str]
 ) -> list[tuple[str, dict[str, Any]]]:
-    # Options are built only for providers this onnxruntime offers; the runner reports the
-    # others as missing.
+    """The group's ``(provider, options)``; a provider whose options do not build is left out
+    with its reason added to ``skipped``. Options are built only for providers this
+    onnxruntime offers; the runner reports the others as missing."""
     offered = set(ort.get_available_providers())
-    return [
-        (
-            c.provider,
-            provider_options(c.provider, c.options, cache_dir=cache_dir)
-            if c.provider in offered
-            else dict(c.options),
-        )
-        for c in group
-    ]
+    providers: list[tuple[str, dict[str, Any]]] = []
+    for c in group:
+        if c.provider not in offered:
+            providers.append((c.provider, dict(c.options)))
+            continue
+        try:
+            options = provider_options(
+                c.provider, c.options, cache_dir=cache_dir, model_path=model_path
+            )
+        except (ValueError, OSError) as e:
+            if c.provider == CPU_PROVIDER:  # the provider of last resort: opened as it comes
+                skipped.append(f"{e}; {CPU_PROVIDER} opened with its default options")
+                providers.append((CPU_PROVIDER, {}))
+            else:
+                skipped.append(str(e))
+            continue
+        providers.append((c.provider, options))
+    return providers
 
 
 def _open_other(
@@ -348,18 +361,19 @@ def _open_other(
             num_threads=threads,
             fallback_reason=fallback_reason,
         )
-    runner = TFLiteRunner(
-        model_path, num_threads=threads, use_xnnpack=choice.provider.upper() == "XNNPACK"
+    implementation = choice.options.get("implementation")
+    if implementation is not None and not isinstance(implementation, str):
+        raise ValueError(f"options.implementation must be a string, not {implementation!r}")
+    return TFLiteRunner(
+        model_path,
+        num_threads=threads,
+        use_xnnpack=choice.provider.upper() == "XNNPACK",
+        implementation=implementation,
+        fallback_reason=fallback_reason,
     )
-    if fallback_reason is not None:
-        # The TFLite runner takes no reason; the earlier ones lead its own (XNNPACK unused).
-        own = runner.info.fallback_reason
-        text = f"{fallback_reason}; {own}" if own else fallback_reason
-        runner._info = dataclasses.replace(runner.info, fallback_reason=text)
-    return runner
 
 
-def _without_label(model_path: Path, error: RunnerError) -> str:
+def _without_label(model_path: Path, error: Exception) -> str:
     return str(error).removeprefix(f"{model_path.name}: ")
 
 

@@ -28,6 +28,7 @@ from mcp_edge.agent.runtime.loader import (
 )
 from mcp_edge.agent.runtime.openvino_runner import INSTALL_HINT, openvino_version
 from mcp_edge.agent.runtime.runner import BackendUnavailableError, ModelLoadError
+from mcp_edge.agent.runtime.tflite_runner import tflite_implementation
 from mcp_edge.shared.profiles import HardwareProfile, load_profiles, parse_profile
 from mcp_edge.tooling.models import DigitsModels, onnx_predict
 from mcp_edge.tooling.processes import REPO, process_env
@@ -225,6 +226,60 @@ def test_backend_openvino_ep_falls_back_to_cpu_when_not_installed(
     assert (runner.info.backend, runner.info.provider) == ("onnxruntime", CPU)
     assert "OpenVINOExecutionProvider" in (runner.info.fallback_reason or "")
     assert len(_warnings(caplog)) == 1
+
+
+def test_tflite_entries_pick_the_implementation_in_order(
+    digits: DigitsModels, caplog: pytest.LogCaptureFixture
+) -> None:
+    profile = _profile(
+        """
+[[runtime.backends]]
+name = "tflite"
+provider = "XNNPACK"
+options = { implementation = "tflite-runtime" }
+[[runtime.backends]]
+name = "tflite"
+provider = "XNNPACK"
+options = { implementation = "ai-edge-litert" }
+"""
+    )
+    try:
+        tflite_implementation("tflite-runtime")
+        usable = True
+    except BackendUnavailableError:
+        usable = False  # tflite-runtime 2.14 under NumPy 2
+    with caplog.at_level(logging.WARNING, logger="mcp.agent.runtime"):
+        runner = load_runner(digits.tflite_path, profile)
+    assert runner.info.backend == "tflite"
+    if usable:
+        assert runner.info.details["implementation"] == "tflite-runtime"
+        assert runner.info.fallback_reason is None and _warnings(caplog) == []
+    else:
+        assert runner.info.details["implementation"] == "ai-edge-litert"
+        assert (runner.info.fallback_reason or "").startswith("tflite/XNNPACK: tflite-runtime")
+        (line,) = _warnings(caplog)
+        assert line.startswith("digits.tflite: running on tflite/XNNPACK; skipped tflite/XNNPACK")
+    X = digits.X_test[:4]
+    assert runner.run({IN: X})[OUT].shape == (4, 10)
+
+
+def test_invalid_provider_options_skip_the_provider_with_the_reason(
+    digits: DigitsModels, caplog: pytest.LogCaptureFixture
+) -> None:
+    profile = _profile(
+        """
+[[runtime.backends]]
+name = "onnxruntime"
+provider = "CPUExecutionProvider"
+options = { bogus = 1 }
+"""
+    )
+    with caplog.at_level(logging.WARNING, logger="mcp.agent.runtime"):
+        runner = load_runner(digits.onnx_path, profile)
+    assert (runner.info.backend, runner.info.provider) == ("onnxruntime", CPU)
+    assert "'bogus'" in (runner.info.fallback_reason or "")
+    (line,) = _warnings(caplog)
+    assert "'bogus'" in line and "default options" in line
 
 
 def test_a_corrupt_model_is_a_model_load_error_after_every_backend(
