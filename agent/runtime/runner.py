@@ -64,7 +64,7 @@ class RunnerInfo:
     """What was loaded and how: shown in metadata, metrics and ``mcp-agent doctor``."""
 
     backend: str
-    """``onnxruntime`` or ``tflite``."""
+    """``onnxruntime``, ``openvino`` or ``tflite``."""
     provider: str
     """The execution provider or delegate actually in use (e.g. ``CPUExecutionProvider``)."""
     inputs: tuple[TensorSpec, ...]

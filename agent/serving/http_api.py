@@ -49,6 +49,10 @@ METRICS = web.AppKey("metrics", AgentMetrics)
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 _JSON = "application/json"
 
+_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "openvino": "openvino_onnx",
+              "tflite": "tensorflow_lite"}  # fmt: skip
+"""The Open Inference Protocol ``platform`` of each backend (Triton's names where it has one)."""
+
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(
@@ -256,9 +260,7 @@ class Handlers:
             {
                 "name": lv.name,
                 "versions": sorted(slot.versions),
-                "platform": "onnxruntime_onnx"
-                if info.backend == "onnxruntime"
-                else "tensorflow_lite",
+                "platform": _PLATFORMS.get(info.backend, info.backend),
                 "inputs": [s.to_json() for s in info.inputs],
                 "outputs": [s.to_json() for s in info.outputs],
                 "parameters": {

@@ -82,6 +82,7 @@ def test_xeon_profile_serves_onnx_on_openvino(digits: DigitsModels, tmp_path: Pa
         status, meta = http_json(f"{base}/v2/models/digits")
         assert status == 200
         assert meta["parameters"]["backend"] == "openvino"
+        assert meta["platform"] == "openvino_onnx"
         assert meta["parameters"]["provider"] == "CPU"
         assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}]
 
