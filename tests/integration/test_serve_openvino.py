@@ -76,7 +76,8 @@ def test_xeon_profile_serves_onnx_on_openvino(digits: DigitsModels, tmp_path: Pa
         assert out["name"] == "probabilities" and out["shape"] == [5, 10]
         got = np.asarray(out["data"], dtype=np.float32).reshape(5, 10)
         expected = onnx_predict(digits.onnx_path, X)
-        np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-4)
+        # The Xeon profile prefers bf16 where the CPU lists BF16: answers within about 1e-2.
+        np.testing.assert_allclose(got, expected, atol=2e-2)
         assert (got.argmax(axis=1) == expected.argmax(axis=1)).all()
 
         status, meta = http_json(f"{base}/v2/models/digits")
