@@ -47,7 +47,9 @@ The rules, in the order they apply:
    :data:`TIMING_CAP_S` each in all. A survey (a third of that time) gives every candidate a
    slice of batch-32 and of batch-1 calls in each round, the starting one rotating; then a
    race between the candidates within 25 % of the fastest alternates short slices of the
-   batch the choice is made on, so close calls get most of the measurements. ``p50_us`` is
+   batch the choice is made on, so close calls get most of the measurements; a racer the
+   leader beats in 90 % of the race rounds by over 10 % drops out, and the race ends when
+   one is left. ``p50_us`` is
    the median batch-1 run and ``rps`` the rows per second of the median batch-32 run (batch
    1 when not batchable): medians, so runs another process preempted do not count.
 5. **Choice.** By throughput at batch 32 when every passing candidate is batchable, otherwise
@@ -105,6 +107,12 @@ RACE_MARGIN = 0.25
 """Candidates the survey finds this much slower than the fastest are out of the race."""
 RACE_SLICE_S = 0.01
 """One candidate's slice of a race round (at least one run)."""
+RACE_CHECK_ROUNDS = 10
+"""Race rounds between two looks for clearly beaten racers (and the fewest to judge on)."""
+RACE_WIN_SHARE = 0.9
+RACE_DROP_MARGIN = 0.1
+"""A racer is out once the leader beat it in 90 % of the race rounds, by over 10 % (median):
+the race ends when one is left, so clear choices take a fraction of the budget."""
 TIE = 0.02
 """Candidates within this fraction of the best figure count as equally fast."""
 TOP1_SAME_BACKEND = 0.97
@@ -554,14 +562,41 @@ def _time_rounds(
     if len(racing) < 2:
         return alive
     r = rounds
-    one_round = sum(o.run_estimate(criterion) for o in racing)
-    while time.perf_counter() + one_round < end:
+    while len(racing) > 1:
+        one_round = sum(o.run_estimate(criterion) for o in racing)
+        if time.perf_counter() + one_round >= end:
+            break
         for k in range(len(racing)):
             o = racing[(r + k) % len(racing)]
-            if o.index not in reasons:
-                _time_slice(o, r, RACE_SLICE_S, reasons, both=False, criterion=criterion)
+            _time_slice(o, r, RACE_SLICE_S, reasons, both=False, criterion=criterion)
+        racing = [o for o in racing if o.index not in reasons]
         r += 1
+        if (r - rounds) % RACE_CHECK_ROUNDS == 0:
+            racing = _still_racing(racing, criterion, range(rounds, r))
     return [o for o in passed if o.index not in reasons]
+
+
+def _still_racing(racing: list[_Open], criterion: str, race_rounds: range) -> list[_Open]:
+    """The racers not clearly beaten: one is out when, over the race rounds so far, the
+    leader was faster in at least :data:`RACE_WIN_SHARE` of them and by more than
+    :data:`RACE_DROP_MARGIN` in the median."""
+    if len(racing) < 2:
+        return racing
+    speeds = _relative_speeds(racing, criterion)
+    leader = racing[max(range(len(racing)), key=lambda i: speeds[i])]
+    kept = []
+    for o in racing:
+        pairs = [(leader.speed(criterion, r), o.speed(criterion, r)) for r in race_rounds]
+        both = [(a, b) for a, b in pairs if a and b is not None]
+        beaten = (
+            o is not leader
+            and len(both) >= RACE_CHECK_ROUNDS
+            and sum(a > b for a, b in both) >= RACE_WIN_SHARE * len(both)
+            and statistics.median(b / a for a, b in both) < 1 - RACE_DROP_MARGIN
+        )
+        if not beaten:
+            kept.append(o)
+    return kept
 
 
 def _time_slice(
