@@ -286,7 +286,8 @@ def candidate_backends(fmt: str, profile: HardwareProfile) -> list[str]:
 
 def backend_unavailable(name: str) -> str | None:
     """Why ``name`` (a backend or a provider, as ``load_runner`` takes it) cannot run here;
-    None when it can. Cheap: looks for the packages, does not open a model."""
+    None when it can. :func:`agent.runtime.loader.backend_available` where the loader has
+    it, else a look for the packages and onnxruntime's providers; no model is opened."""
     shared = getattr(loader, "backend_available", None)
     if shared is not None:
         answer: str | None = shared(name)
