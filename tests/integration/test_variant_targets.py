@@ -434,6 +434,44 @@ async def test_measuring_fetches_the_candidates_and_installs_the_chosen_one(
     assert version == "1.0.0"
 
 
+async def test_an_int8_bundle_is_measured_on_a_xeon_and_serves_within_a_point_of_fp32(
+    fleet: Fleet, files: Files, digits: DigitsModels
+) -> None:
+    """The whole path of a quantized variant: `mcp-bundle build --quantize int8` (static,
+    calibrated on the training digits), published, measured on a Xeon (every fitting
+    variant × backend), installed and served; what serves is within a point of FP32 on
+    held-out digits, and the choice with its figures is in install.json and the events."""
+    path = fleet.tmp / "digits-int8.mcpb"
+    samples = fleet.tmp / "samples.npy"
+    np.save(samples, digits.mlp.X_train.astype(np.float32))
+    labels = fleet.tmp / "samples-labels.npy"
+    np.save(labels, np.asarray(digits.mlp.y_train, dtype=np.int64))
+    manifest = build_bundle(digits.onnx_path, path, name="digits", version="1.0.0",
+                            labels_path=files.labels, baseline_npy=samples, quantize="int8",
+                            calibration_labels=labels)  # fmt: skip
+    int8 = manifest.variant("int8")
+    assert int8.quantization is not None and int8.quantization.scheme == "int8-static"
+    sign_bundle(path, fleet.publisher, validate_models=False)
+    ref = await fleet.publish(path)
+    xeon = await fleet.device("dev-xeon-int8", profile("intel-xeon", measure=True))
+
+    await fleet.deploy(xeon, ref)
+
+    info = install_info(xeon, "1.0.0")
+    choice = info["choice"]
+    assert choice is not None and info["variant"] == choice["chosen"]["variant"]
+    tried = {t["variant"] for t in choice["trials"]}
+    assert tried == {"int8", "default"}
+    assert any(m.startswith("chose ") for m in xeon.sink.messages("1.0.0"))
+    lv = xeon.manager.route("digits")
+    assert lv.source.variant == info["variant"]
+    _, out = await xeon.manager.infer(lv, {"input": digits.X_test})
+    served = float(np.mean(out["probabilities"].argmax(axis=1) == digits.y_test)) * 100
+    fp32 = float(np.mean(onnx_predict(digits.onnx_path, digits.X_test).argmax(axis=1)
+                         == digits.y_test)) * 100  # fmt: skip
+    assert served >= fp32 - 1.0, (info["variant"], served, fp32)
+
+
 async def test_a_tampered_variant_file_fails_and_the_old_version_keeps_serving(
     fleet: Fleet, files: Files, digits: DigitsModels
 ) -> None:
