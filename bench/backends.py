@@ -310,12 +310,29 @@ def bench_ovep(models: list[dict[str, Any]], work: Path, quick: bool) -> dict[st
     python = REPO_ROOT / os.environ.get("MCP_OVEP_VENV", ".venv-ovep") / "bin" / "python"
     for m in models:
         np.save(work / f"{m['name']}.X_test.npy", m["X_test"])
+        np.save(work / f"{m['name']}.y_test.npy", m["y_test"])
     if not python.exists():
         return {"skipped": f"{python} not found (bash deploy/setup-venv-ovep.sh makes it)"}
     args = [str(python), str(BENCH_DIR / "_ovep_child.py"), "--work", str(work)]
     if quick:
         args.append("--quick")
     done = subprocess.run(args, capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-5:]}
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def bench_tflite_runtime(work: Path, quick: bool) -> dict[str, Any]:
+    """tflite-runtime under the NumPy 1 overlay, in a child process (see its module)."""
+    overlay = REPO_ROOT / ".cache" / "numpy1"
+    if not (overlay / "numpy").is_dir():
+        return {"skipped": f"{overlay} not found (bash tests/run.sh installs it)"}
+    args = [sys.executable, str(BENCH_DIR / "_tflite_runtime_child.py"), "--work", str(work)]
+    if quick:
+        args.append("--quick")
+    env = dict(os.environ, PYTHONPATH=str(overlay))
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, check=False, env=env)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-5:]}
     result: dict[str, Any] = json.loads(done.stdout)
@@ -354,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             "convnet": bench_selection(conv, int8_conv, repeats, rounds, slice_s, threads)
         }
         report["onnxruntime_openvino_ep"] = bench_ovep(models, work, args.quick)
+        report["tflite_runtime_numpy1"] = bench_tflite_runtime(work, args.quick)
     report["summary"] = _summary(report)
     report["seconds"] = round(time.time() - started, 1)
     text = json.dumps(report, indent=2)
