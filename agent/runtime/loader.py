@@ -36,7 +36,12 @@ from mcp_edge.agent.runtime.runner import (
     ModelLoadError,
     ModelRunner,
 )
-from mcp_edge.agent.runtime.tflite_runner import TFLiteRunner, tflite_implementation, tflite_version
+from mcp_edge.agent.runtime.tflite_runner import (
+    TFLITE_IMPLEMENTATIONS,
+    TFLiteRunner,
+    tflite_implementation,
+    tflite_version,
+)
 from mcp_edge.shared.profiles import BackendSpec, HardwareProfile
 
 log = logging.getLogger("mcp.agent.runtime")
@@ -429,7 +434,9 @@ def available_backends() -> dict[str, str]:
     Returns:
         ``{"onnxruntime": "<version>: <providers>", "openvino": "<version>: <devices>",
         "tflite": "<implementation> <version>"}``, with ``"unavailable: <reason>"`` for
-        OpenVINO or TFLite when it does not import (onnxruntime is a hard dependency).
+        OpenVINO or TFLite when it does not import (onnxruntime is a hard dependency), and
+        ``"tflite (<name>)"`` for the other TFLite interpreter when it is installed too (its
+        version, or why it cannot run here).
     """
     providers = ", ".join(ort.get_available_providers())
     found = {"onnxruntime": f"{ort.__version__}: {providers}"}
@@ -442,4 +449,12 @@ def available_backends() -> dict[str, str]:
         found["tflite"] = f"{implementation} {tflite_version(implementation)}"
     except BackendUnavailableError as e:
         found["tflite"] = f"unavailable: {e}"
+    for name in TFLITE_IMPLEMENTATIONS:  # each interpreter that is installed, usable or not
+        if name in found["tflite"] or tflite_version(name) == "unknown":
+            continue
+        try:
+            tflite_implementation(name)
+            found[f"tflite ({name})"] = f"{name} {tflite_version(name)}"
+        except BackendUnavailableError as e:
+            found[f"tflite ({name})"] = f"unavailable: {e}"
     return found

@@ -22,9 +22,11 @@ cannot list its nodes, and ``details["delegate_detection"]`` says so).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.metadata
+import io
 import logging
 import os
 import threading
@@ -120,16 +122,21 @@ def _usable(name: str) -> tuple[ModuleType | None, str]:
         module = importlib.import_module(_IMPLEMENTATIONS[name].module)
     except ImportError as e:
         return None, f"{name} is not installed ({e})"
+    # NumPy writes a page of advice and a stack to stderr when a NumPy 1 build fails to load
+    # under NumPy 2; the reason returned says it in one line, so keep the page off the console.
+    noise = io.StringIO()
     try:
-        interpreter = module.Interpreter(
-            model_content=_PROBE_MODEL,
-            experimental_op_resolver_type=module.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
-        )
+        with contextlib.redirect_stderr(noise):
+            interpreter = module.Interpreter(
+                model_content=_PROBE_MODEL,
+                experimental_op_resolver_type=module.OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES,
+            )
         interpreter.allocate_tensors()
         (detail,) = interpreter.get_input_details()
         interpreter.set_tensor(detail["index"], np.ones(1, np.float32))
         interpreter.invoke()
     except Exception as e:
+        log.debug("%s probe failed; it wrote: %s", name, noise.getvalue().strip())
         return None, f"{name} {tflite_version(name)} imports but cannot run a model here: {_why(e)}"
     return module, ""
 

@@ -112,3 +112,7 @@ def test_xeon_profile_serves_onnx_on_openvino(digits: DigitsModels, tmp_path: Pa
     assert "would use     openvino/CPU" in doctor.stdout
     loadable = doctor.stdout.split("Loadable here")[1]
     assert any(line.split()[:1] == ["openvino"] for line in loadable.splitlines())
+    # Both TFLite interpreters are installed here: the second one is listed with its version
+    # or, under NumPy 2, the one-line reason it cannot run; NumPy's page of advice stays out.
+    assert "tflite (tflite-runtime)" in loadable
+    assert "compiled using NumPy 1.x" not in doctor.stderr
