@@ -334,6 +334,8 @@ def _int8_variant(
     figures = measure_quantized(
         model_path, path, measured, labels, scheme=scheme, reference_tag=DEFAULT_TAG
     )
+    if samples is None:
+        figures = figures.model_copy(update={"measured_on": "synthetic"})
     _log.info("%s", describe_quantization(INT8_TAG, figures))
     source = _hash_file(path, f"models/model.{INT8_TAG}.onnx", limits, progress)
     return _variant(INT8_TAG, source, qinfo, (INT8_TAG,), figures), source
@@ -347,7 +349,8 @@ def describe_quantization(tag: str, q: Quantization) -> str:
 
 def quantization_figures(q: Quantization) -> str:
     """The measured part of :func:`describe_quantization`: agreement, accuracy, max |Δ|."""
-    text = f"top-1 agreement {100 * q.top1_agreement:.1f} % on {q.samples} samples"
+    kind = "samples" if q.measured_on == "samples" else "synthetic inputs"
+    text = f"top-1 agreement {100 * q.top1_agreement:.1f} % on {q.samples} {kind}"
     if q.accuracy_delta is not None:
         text += f", accuracy {q.accuracy_delta:+.1f} points"
     return text + f", max |Δ| {q.max_abs_diff:.3g}"

@@ -214,6 +214,9 @@ class Quantization(_Schema):
     """The tag of the variant it was quantized from (the FP32 model)."""
     samples: int = Field(ge=1)
     """How many samples the figures below were measured on."""
+    measured_on: Literal["samples", "synthetic"] = "samples"
+    """``samples``: the build's baseline samples; ``synthetic``: seeded random inputs (a
+    dynamic quantization built without ``--baseline``), a weaker measure of real accuracy."""
     top1_agreement: Finite = Field(ge=0, le=1)
     """Share of samples whose arg-max output equals the reference's."""
     max_abs_diff: Finite = Field(ge=0)

@@ -179,6 +179,7 @@ def test_dynamic_is_the_default_without_samples(tmp_path: Path, digits: DigitsMo
     manifest = verify_bundle(out, [], require_signature=False).manifest
     q = manifest.variant("int8").quantization
     assert q is not None and q.scheme == "int8-dynamic" and q.accuracy_delta is None
+    assert q.measured_on == "synthetic"  # recorded: the figures are not from real samples
     assert "seeded random inputs" in result.stderr
     opened = open_bundle(out, tmp_path / "opened", [], require_signature=False)
     ops = {n.op_type for n in onnx.load(str(opened.variant_path("int8"))).graph.node}
