@@ -68,7 +68,6 @@ Every runner opened here is closed before :func:`select` returns or raises. One 
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import statistics
 import time
@@ -78,7 +77,6 @@ from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
-import onnxruntime as ort
 
 from mcp_edge.agent.runtime import loader
 from mcp_edge.agent.runtime.checks import check_outputs, synthetic_inputs, warm_up
@@ -286,31 +284,8 @@ def candidate_backends(fmt: str, profile: HardwareProfile) -> list[str]:
 
 def backend_unavailable(name: str) -> str | None:
     """Why ``name`` (a backend or a provider, as ``load_runner`` takes it) cannot run here;
-    None when it can. :func:`agent.runtime.loader.backend_available` where the loader has
-    it, else a look for the packages and onnxruntime's providers; no model is opened."""
-    shared = getattr(loader, "backend_available", None)
-    if shared is not None:
-        answer: str | None = shared(name)
-        return answer
-    if name == "onnxruntime":
-        return None
-    if name == "openvino":
-        if importlib.util.find_spec("openvino") is None:
-            return "the OpenVINO runtime is not installed"
-        return None
-    if name == "tflite":
-        if all(importlib.util.find_spec(m) is None for m in ("ai_edge_litert", "tflite_runtime")):
-            return "no TFLite interpreter is installed"
-        return None
-    if name.lower() in ("xnnpack",):
-        return backend_unavailable("tflite")
-    try:
-        provider = provider_alias(name)
-    except ValueError as e:
-        return str(e)
-    if provider not in ort.get_available_providers():
-        return f"{provider} is not in this onnxruntime build"
-    return None
+    None when it can (:func:`agent.runtime.loader.backend_available`)."""
+    return loader.backend_available(name)
 
 
 # --- one candidate -----------------------------------------------------------------------------

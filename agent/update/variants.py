@@ -11,15 +11,12 @@ Only variants in a format the profile runs (``runtime.formats``) are kept; a var
 deployment's events. Variants fitting none of the three rules are not candidates.
 
 Whether a backend is present is asked of ``backend_available(name) -> str | None`` (None: it is
-there; a string: why it is not). :func:`local_backend_problem` is this module's own answer,
-from what is installed: ``onnxruntime``, ``openvino`` and ``tflite`` by their Python packages
-(``importlib.util.find_spec``, nothing imported), an onnxruntime execution provider name or
-short alias (``tensorrt``, ``cuda``...) by ``onnxruntime.get_available_providers()``.
+there; a string: why it is not); on a device that is
+:func:`agent.runtime.loader.backend_available` (:func:`backend_check`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,23 +25,6 @@ from mcp_edge.shared.profiles import HardwareProfile
 
 BackendCheck = Callable[[str], "str | None"]
 """``backend name → None`` when the device has it, else the reason it does not."""
-
-_PACKAGES = {
-    "onnxruntime": ("onnxruntime",),
-    "openvino": ("openvino",),
-    "tflite": ("ai_edge_litert", "tflite_runtime", "tensorflow"),
-}
-_PROVIDERS = {
-    "cpu": "CPUExecutionProvider",
-    "cuda": "CUDAExecutionProvider",
-    "tensorrt": "TensorrtExecutionProvider",
-    "trt": "TensorrtExecutionProvider",
-    "coreml": "CoreMLExecutionProvider",
-    "xnnpack": "XnnpackExecutionProvider",
-    "directml": "DmlExecutionProvider",
-    "rocm": "ROCMExecutionProvider",
-    "qnn": "QNNExecutionProvider",
-}
 
 
 @dataclass(frozen=True)
@@ -97,42 +77,17 @@ def variant_candidates(
     return list(rank_variants(manifest, profile, backend_available).candidates)
 
 
-def local_backend_problem(name: str) -> str | None:
-    """None when backend ``name`` is installed here, else why not (see the module docstring)."""
-    packages = _PACKAGES.get(name)
-    if packages is not None:
-        if any(importlib.util.find_spec(p) is not None for p in packages):
-            return None
-        return f"no {' or '.join(packages)} package is installed"
-    provider = name if name.endswith("ExecutionProvider") else _PROVIDERS.get(name.lower())
-    if provider is None:
-        return f"{name!r} is no backend this agent knows"
-    if importlib.util.find_spec("onnxruntime") is None:
-        return "onnxruntime is not installed"
-    import onnxruntime
-
-    available = onnxruntime.get_available_providers()
-    if provider in available:
-        return None
-    return f"onnxruntime here has no {provider} (it has {', '.join(available)})"
-
-
 def backend_check() -> BackendCheck:
-    """The device's backend check: :func:`agent.runtime.loader.backend_available` when the
-    runtime offers one, else :func:`local_backend_problem`."""
-    from mcp_edge.agent.runtime import loader
+    """The device's backend check: :func:`agent.runtime.loader.backend_available`."""
+    from mcp_edge.agent.runtime.loader import backend_available
 
-    check = getattr(loader, "backend_available", None)
-    if callable(check):
-        return check  # type: ignore[no-any-return]
-    return local_backend_problem
+    return backend_available
 
 
 __all__ = [
     "BackendCheck",
     "Ranking",
     "backend_check",
-    "local_backend_problem",
     "rank_variants",
     "variant_candidates",
 ]

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from mcp_edge.agent.update.variants import (
-    local_backend_problem,
     rank_variants,
     variant_candidates,
 )
@@ -103,15 +102,6 @@ def test_a_variant_for_a_backend_the_device_lacks_is_skipped_with_its_reason(
     # with the backend present the variant is first again
     m2 = manifest_with(manifest_doc, xeon="onnxruntime")
     assert tags(m2, profile("intel-xeon")) == ["xeon", "x86_64", "default"]
-
-
-def test_the_local_backend_check_looks_at_what_is_installed() -> None:
-    assert local_backend_problem("onnxruntime") is None  # a hard dependency of the agent
-    assert local_backend_problem("cpu") is None
-    missing = local_backend_problem("tensorrt")  # the test machine has no TensorRT provider
-    assert missing is not None and "TensorrtExecutionProvider" in missing
-    unknown = local_backend_problem("warp-drive")
-    assert unknown is not None and "no backend this agent knows" in unknown
 
 
 def test_manifest_fixture_is_what_the_tests_assume(manifest_doc: dict[str, Any]) -> None:
