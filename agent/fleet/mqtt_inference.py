@@ -36,7 +36,7 @@ from typing import Any
 
 from mcp_edge.agent.fleet.metrics import FleetMetrics
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager
-from mcp_edge.agent.runtime.runner import Array
+from mcp_edge.agent.serving.oip import Call, answer_tensors
 from mcp_edge.agent.serving.requests import (
     MQTT_PROPERTIES,
     RequestError,
@@ -44,7 +44,7 @@ from mcp_edge.agent.serving.requests import (
     count_unrun,
     parse_options,
 )
-from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
+from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response
 from mcp_edge.shared.errors import MessageError, TopicError
 from mcp_edge.shared.mqtt import InboundMessage, MqttClient, MqttError
 from mcp_edge.shared.protocol import topics
@@ -211,18 +211,24 @@ class MqttInference:
             obj = self._parse(msg)
             opts = parse_options(msg.user_property, MQTT_PROPERTIES)
             lv = self.manager.route(model, opts.version, opts.request_key)
-            rid, feeds, wanted = self._feeds(msg, obj, lv)
+            call = self._feeds(msg, obj, lv)
             ran = True
             answered, outputs = await self.manager.infer(
                 lv,
-                feeds,
+                call.feeds,
                 pinned=opts.version is not None,
-                priority=opts.priority,
-                timeout_s=opts.timeout_s,
+                priority=opts.priority if call.priority is None else call.priority,
+                timeout_s=opts.timeout_s if call.timeout_s is None else call.timeout_s,
                 counted=True,
             )
-            names = output_names(outputs, wanted, answered.output_names)
-            body = encode_response(answered.name, answered.version, rid, outputs, names)
+            # MQTT answers are JSON: a binary_data request is answered as JSON.
+            tensors = answer_tensors(
+                outputs, call.outputs, answered.output_names, answered.source.labels, False
+            )
+            body, _ = encode_response(
+                answered.name, answered.version, call.request_id,
+                [(n, a, False) for n, a, _ in tensors],
+            )  # fmt: skip
             self._check_reply_size(model, len(body))
         except Exception as e:
             err = classify(e)
@@ -231,6 +237,8 @@ class MqttInference:
             else:
                 m.errors.labels(model, err.code.value).inc()
             m.requests.labels(model, "mqtt", str(err.code.http_status)).inc()
+            if lv is not None:
+                lv.statistics.on_request(False, time.perf_counter() - t0)
             if not ran:
                 count_unrun(self.manager, lv, err, time.perf_counter() - t0)
             return error_body(err), err.code
@@ -239,6 +247,7 @@ class MqttInference:
         elapsed = time.perf_counter() - t0
         m.requests.labels(model, "mqtt", "200").inc()
         m.latency.labels(answered.name, answered.version).observe(elapsed)
+        answered.statistics.on_request(True, elapsed)
         return body, None
 
     def _check_reply_size(self, model: str, size: int) -> None:
@@ -271,9 +280,7 @@ class MqttInference:
             raise
         return obj
 
-    def _feeds(
-        self, msg: InboundMessage, obj: Any, lv: LoadedVersion
-    ) -> tuple[str | None, dict[str, Array], list[str] | None]:
+    def _feeds(self, msg: InboundMessage, obj: Any, lv: LoadedVersion) -> Call:
         """Schema and signature checks; a schema failure is counted as a bad message."""
         try:
             return decode_feeds(obj, lv.info.inputs)

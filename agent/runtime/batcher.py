@@ -109,8 +109,9 @@ class _Pending:
 class BatchObserver:
     """Callbacks for metrics; every one is optional and must be cheap."""
 
-    on_batch: Callable[[int, int, float, float], None] | None = None
-    """(rows, requests, queue wait of the oldest (s), run time (s))."""
+    on_batch: Callable[[int, int, float, float, float], None] | None = None
+    """(rows, requests, queue wait of the oldest (s), queue wait of all requests together
+    (s), run time (s))."""
     on_queue_depth: Callable[[int], None] | None = None
 
 
@@ -270,7 +271,7 @@ class DynamicBatcher:
             rows = (
                 int(first.shape[0]) if self._batchable and first is not None and first.ndim else 1
             )
-            self._observer.on_batch(rows, 1, 0.0, run_s)
+            self._observer.on_batch(rows, 1, 0.0, 0.0, run_s)
         return future
 
     def _note_run(self, run_s: float) -> None:
@@ -461,8 +462,10 @@ class DynamicBatcher:
                 if not p.future.done():
                     p.future.set_result(out)
         if self._observer.on_batch is not None:
-            wait = started - min(p.enqueued for p in batch)
-            self._observer.on_batch(sum(p.rows for p in batch), len(batch), wait, run_s)
+            waits = [started - p.enqueued for p in batch]
+            self._observer.on_batch(
+                sum(p.rows for p in batch), len(batch), max(waits), sum(waits), run_s
+            )
         if self._queued:
             self._pump()
 

@@ -58,6 +58,7 @@ from mcp_edge.agent.runtime.runner import (
     RunnerError,
     RunnerInfo,
 )
+from mcp_edge.agent.runtime.statistics import VersionStatistics
 from mcp_edge.agent.serving.metrics import AgentMetrics
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 from mcp_edge.shared.protocol.reports import InferenceRole
@@ -157,6 +158,8 @@ class LoadedVersion:
     batcher: DynamicBatcher
     load_s: float
     warmup_s: float
+    statistics: VersionStatistics = field(default_factory=VersionStatistics)
+    """Triton-shaped counters of this version (the statistics extension)."""
     output_names: tuple[str, ...] = field(init=False)
     """The model's outputs in signature order: what an answer holds unless told otherwise."""
 
@@ -335,8 +338,9 @@ class ModelManager:
                 r.close()
             raise
         warmup_s = warm.seconds
-        batcher = self._make_batcher(source, runners, warm.run_s)
-        lv = LoadedVersion(source, runners, batcher, load_s, warmup_s)
+        statistics = VersionStatistics()
+        batcher = self._make_batcher(source, runners, warm.run_s, statistics)
+        lv = LoadedVersion(source, runners, batcher, load_s, warmup_s, statistics)
         self.metrics.load_seconds.labels(source.name).observe(load_s)
         self.metrics.warmup_seconds.labels(source.name).observe(warmup_s)
         async with self._lock:
@@ -354,7 +358,11 @@ class ModelManager:
         return lv
 
     def _make_batcher(
-        self, source: ModelSource, runners: Sequence[ModelRunner], run_s: float
+        self,
+        source: ModelSource,
+        runners: Sequence[ModelRunner],
+        run_s: float,
+        statistics: VersionStatistics,
     ) -> DynamicBatcher:
         m = self.metrics
         name, version = source.name, source.version
@@ -368,11 +376,14 @@ class ModelManager:
             m.run_time.labels(name),
         )
 
-        def on_batch(rows: int, requests: int, wait_s: float, run_s: float) -> None:
+        stats_batch = statistics.on_batch
+
+        def on_batch(rows: int, requests: int, wait_s: float, waits_s: float, run_s: float) -> None:
             size.observe(rows)
             fill.observe(min(1.0, rows / max_rows))
             wait.observe(wait_s)
             run.observe(run_s)
+            stats_batch(rows, requests, waits_s, run_s)
 
         observer = BatchObserver(on_batch=on_batch, on_queue_depth=depth.set)
         return DynamicBatcher(runners, self.batching, observer=observer, expected_run_s=run_s)

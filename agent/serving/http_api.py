@@ -1,23 +1,36 @@
-"""The agent's local HTTP API (aiohttp): Open Inference Protocol v2, ``/v1/infer``, health, metrics.
+"""The agent's local HTTP API (aiohttp): Open Inference Protocol v2 with Triton's extensions,
+``/v1/infer``, health, metrics.
 
 Routes::
 
-    GET  /v2                                    server metadata
-    GET  /v2/health/live | /v2/health/ready     liveness / readiness
-    GET  /v2/models/{m}[/versions/{v}]          model metadata
-    GET  /v2/models/{m}[/versions/{v}]/ready    model readiness
-    POST /v2/models/{m}[/versions/{v}]/infer    inference (Open Inference Protocol JSON)
-    POST /v1/infer                              convenience API: image or numbers in, top-k out
+    GET  /v2                                      server metadata (extensions offered)
+    GET  /v2/health/live | /v2/health/ready       liveness / readiness
+    GET  /v2/models                               the served models in brief
+    GET  /v2/models/{m}[/versions/{v}]            model metadata
+    GET  /v2/models/{m}[/versions/{v}]/ready      model readiness
+    GET  /v2/models/{m}[/versions/{v}]/config     model configuration (Triton's ModelConfig)
+    GET  /v2/models[/{m}[/versions/{v}]]/stats    statistics (Triton's shape)
+    POST /v2/models/{m}[/versions/{v}]/infer      inference: JSON, or the binary tensor extension
+    POST /v2/repository/index                     repository index
+    POST /v2/repository/models/{m}/load|unload    explicit model control (off unless enabled)
+    POST /v1/infer                                convenience API: image or numbers in, top-k out
     GET  /healthz | /readyz | /metrics
 
-Headers: ``X-Model-Version`` pins a version, ``X-Request-Key`` makes canary routing sticky,
-``X-Priority`` is high/normal/low, ``X-Timeout-Ms`` sets the request deadline (read, with
-their MQTT counterparts, by :mod:`.requests`). Every error is ``{"error": "...", "code": "..."}``
-with the matching status (:func:`.requests.classify`); 429 carries ``Retry-After``; a path
-no route has is 404 ``not_found``, a method the path does not take 405 ``bad_request`` with
-``Allow``. Inference
-requests are counted in the manager's statistics per version and role as MQTT ones are
-(:mod:`.requests`).
+Inference bodies are JSON, or (header ``Inference-Header-Content-Length``) a JSON header
+followed by the raw bytes of the inputs that carry ``binary_data_size``
+(:func:`.oip.decode_binary_request`); outputs come back in binary when the request or the
+output asks (``binary_data_output``, ``binary_data``), with the header set on the answer.
+Request bodies may be gzip or deflate compressed (``Content-Encoding``; the size cap applies
+to the decompressed body); answers of 1 KiB and more are compressed when ``Accept-Encoding``
+asks. Headers: ``X-Model-Version`` pins a version, ``X-Request-Key`` makes canary routing
+sticky, ``X-Priority`` is high/normal/low, ``X-Timeout-Ms`` sets the request deadline (read,
+with their MQTT counterparts, by :mod:`.requests`); the request's ``priority`` and ``timeout``
+parameters win over them. Every error is ``{"error": "...", "code": "..."}`` with the matching
+status (:func:`.requests.classify`); 429 carries ``Retry-After``; a path no route has is 404
+``not_found``, a method the path does not take 405 ``bad_request`` with ``Allow``; the parts
+of Triton's protocol not offered (shared memory, tracing, log settings) answer 501
+``not_implemented``. Inference requests are counted in the manager's statistics per version
+and role as MQTT ones are (:mod:`.requests`), and in each version's Triton statistics.
 """
 
 from __future__ import annotations
@@ -30,9 +43,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from mcp_edge.agent import __version__
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
 from mcp_edge.agent.serving.metrics import AgentMetrics
+from mcp_edge.agent.serving.oip import Call, answer_tensors, decode_binary_request
 from mcp_edge.agent.serving.preprocess import prepare_v1_inputs, top_k
 from mcp_edge.agent.serving.requests import (
     HTTP_HEADERS,
@@ -41,17 +54,20 @@ from mcp_edge.agent.serving.requests import (
     count_unrun,
     parse_options,
 )
-from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response, output_names
+from mcp_edge.agent.serving.service import FrontDoor
+from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response
+from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.protocol.wire import ErrorCode, loads
 
 MANAGER = web.AppKey("manager", ModelManager)
 METRICS = web.AppKey("metrics", AgentMetrics)
+FRONT_DOOR = web.AppKey("front_door", FrontDoor)
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
+HEADER_LENGTH = "Inference-Header-Content-Length"
+COMPRESS_FROM = 1024
+"""Answers this many bytes and larger are compressed when the client accepts it."""
 _JSON = "application/json"
-
-_PLATFORMS = {"onnxruntime": "onnxruntime_onnx", "openvino": "openvino_onnx",
-              "tflite": "tensorflow_lite"}  # fmt: skip
-"""The Open Inference Protocol ``platform`` of each backend (Triton's names where it has one)."""
+_OCTETS = "application/octet-stream"
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -76,6 +92,8 @@ def _classify(e: Exception) -> RequestError:
     # aiohttp refusing a body over client_max_size is the one failure only HTTP has.
     if isinstance(e, web.HTTPRequestEntityTooLarge):
         return RequestError(ErrorCode.TOO_LARGE, "request body is too large")
+    if isinstance(e, web.HTTPException):  # e.g. a body that does not decompress
+        return RequestError(ErrorCode.BAD_REQUEST, f"cannot read the request body: {e.reason}")
     return classify(e)
 
 
@@ -98,28 +116,58 @@ async def _route_errors(
         return _json(body, 404)
 
 
+def split_binary_body(body: bytes, header_length: str) -> tuple[memoryview, memoryview]:
+    """A binary-extension body cut into its JSON header and the bytes after it.
+
+    Raises MessageError when ``Inference-Header-Content-Length`` is not a byte count within
+    the body.
+    """
+    if not header_length.isdigit() or len(header_length) > 12:
+        raise MessageError(f"{HEADER_LENGTH} must be a byte count, not {header_length[:20]!r}")
+    n = int(header_length)
+    if n == 0 or n > len(body):
+        raise MessageError(
+            f"{HEADER_LENGTH} {n} does not fit the {len(body)}-byte body "
+            "(the JSON header must be 1 byte or more and within the body)"
+        )
+    view = memoryview(body)
+    return view[:n], view[n:]
+
+
+def _compress_if_asked(request: web.Request, response: web.Response, size: int) -> None:
+    if size >= COMPRESS_FROM and "Accept-Encoding" in request.headers:
+        response.enable_compression()
+
+
 # ---------------------------------------------------------------------------- handlers
 class Handlers:
-    def __init__(self, manager: ModelManager, metrics: AgentMetrics, max_body: int) -> None:
+    def __init__(self, front: FrontDoor, max_body: int) -> None:
+        manager = front.manager
+        self.front = front
         self.manager = manager
-        self.metrics = metrics
+        self.metrics = manager.metrics
         self.max_body = max_body
         self._ok: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self._active = 0  # /v2 inference requests in progress (a hint for batching)
-        self._payload = {p: metrics.payload_bytes.labels(p) for p in ("v1", "v2")}
+        self._payload = {p: self.metrics.payload_bytes.labels(p) for p in ("v1", "v2")}
 
     def _model_label(self, model: str) -> str:
         # Only loaded models become label values: a URL must not mint metric series.
         return model if model in self.manager.loaded_names else "_unknown"
 
     def _failed(
-        self, model: str, protocol: str, e: Exception, unrun: LoadedVersion | None, started: float
-    ) -> web.Response:
-        """The error answer; ``unrun``: the version the request was routed to when it failed
-        before running there (counted in the statistics as its request)."""
+        self, model: str, protocol: str, e: Exception, lv: LoadedVersion | None, ran: bool,
+        started: float,
+    ) -> web.Response:  # fmt: skip
+        """The error answer; ``lv``: the version the request was routed to (None: never
+        routed); ``ran``: whether it reached the version's queue (its runs are counted there)."""
         m = self.metrics
         err = _classify(e)
-        count_unrun(self.manager, unrun, err, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        if lv is not None:
+            lv.statistics.on_request(False, elapsed)
+            if not ran:
+                count_unrun(self.manager, lv, err, elapsed)
         label = self._model_label(model)
         if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
             m.rejections.labels(label, err.code.value).inc()
@@ -128,7 +176,7 @@ class Handlers:
         m.requests.labels(label, protocol, str(err.code.http_status)).inc()
         return _error(err)
 
-    def _succeeded(self, lv: LoadedVersion, protocol: str, started: float) -> None:
+    def _succeeded(self, lv: LoadedVersion, protocol: str, started: float) -> float:
         key = (lv.name, lv.version, protocol)
         children = self._ok.get(key)
         if children is None:
@@ -138,7 +186,9 @@ class Handlers:
             )
             self._ok[key] = children
         children[0].inc()
-        children[1].observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        children[1].observe(elapsed)
+        return elapsed
 
     async def _body(self, request: web.Request, protocol: str) -> bytes:
         if request.content_length is not None and request.content_length > self.max_body:
@@ -161,34 +211,68 @@ class Handlers:
         ran = False
         try:
             body = await self._body(request, "v2")
-            obj = loads(body, max_bytes=self.max_body)
+            headers = request.headers
+            header_length = headers.get(HEADER_LENGTH)
+            if header_length is None:
+                obj = loads(body, max_bytes=self.max_body)
+                binary = None
+            else:
+                head, binary = split_binary_body(body, header_length)
+                obj = loads(head, max_bytes=self.max_body)
             # Options before the model lookup: a bad option is a 400 for any model, as over MQTT.
             version, key, priority, timeout = parse_options(
-                request.headers.get, HTTP_HEADERS, request.match_info.get("version")
+                headers.get, HTTP_HEADERS, request.match_info.get("version")
             )
             lv = self.manager.route(model, version, key)
-            rid, feeds, wanted = decode_feeds(obj, lv.info.inputs)
+            call: Call = (
+                decode_feeds(obj, lv.info.inputs)
+                if binary is None
+                else decode_binary_request(obj, binary, lv.info.inputs)
+            )
+            if call.priority is not None:
+                priority = call.priority
+            if call.timeout_s is not None:
+                timeout = call.timeout_s
+            t_in = time.perf_counter()
             ran = True
             answered, outputs = await self.manager.infer(
                 lv,
-                feeds,
+                call.feeds,
                 pinned=version is not None,
                 priority=priority,
                 timeout_s=timeout,
                 busy=self._active > 1,
                 counted=True,
             )
-            names = output_names(outputs, wanted, answered.output_names)
-            response = web.Response(
-                body=encode_response(answered.name, answered.version, rid, outputs, names),
-                content_type=_JSON,
+            t_out = time.perf_counter()
+            if call.outputs is None and not call.binary_output:
+                # The common answer: every output as JSON (no per-tensor choices to make).
+                tensors = [(n, outputs[n], False) for n in answered.output_names]
+            else:
+                tensors = answer_tensors(
+                    outputs, call.outputs, answered.output_names, answered.source.labels,
+                    call.binary_output,
+                )  # fmt: skip
+            payload, head_len = encode_response(
+                answered.name, answered.version, call.request_id, tensors
             )
+            if head_len is None:
+                response = web.Response(body=payload, content_type=_JSON)
+            else:
+                response = web.Response(
+                    body=payload, content_type=_OCTETS, headers={HEADER_LENGTH: str(head_len)}
+                )
+            if len(payload) >= COMPRESS_FROM:
+                _compress_if_asked(request, response, len(payload))
         except Exception as e:
-            return self._failed(model, "v2", e, None if ran else lv, t0)
+            return self._failed(model, "v2", e, lv, ran, t0)
         finally:
             active.dec()
             self._active -= 1
-        self._succeeded(answered, "v2", t0)
+        elapsed = self._succeeded(answered, "v2", t0)
+        answered.statistics.on_request(
+            True, elapsed, _rows(call), t_in - t0, time.perf_counter() - t_out
+        )
         return response
 
     async def infer_v1(self, request: web.Request) -> web.Response:
@@ -231,15 +315,16 @@ class Handlers:
             }
             response = _json(result)
         except Exception as e:
-            return self._failed(model, "v1", e, None if ran else lv, t0)
+            return self._failed(model, "v1", e, lv, ran, t0)
         finally:
             self.metrics.active.dec()
-        self._succeeded(answered, "v1", t0)
+        elapsed = self._succeeded(answered, "v1", t0)
+        answered.statistics.on_request(True, elapsed)
         return response
 
     # --- metadata and health
     async def server_metadata(self, request: web.Request) -> web.Response:
-        return _json({"name": "mcp-edge-agent", "version": __version__, "extensions": []})
+        return _json(self.front.server_metadata())
 
     async def live(self, request: web.Request) -> web.Response:
         return _json({"live": True})
@@ -248,45 +333,17 @@ class Handlers:
         ok = self.manager.ready
         return _json({"ready": ok}, 200 if ok else 503)
 
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"models": self.front.models()})
+
     async def model_metadata(self, request: web.Request) -> web.Response:
         try:
-            model = request.match_info["model"]
-            slot = self.manager.slot(model)
-            lv = self.manager.get(model, request.match_info.get("version"))
+            doc = self.front.model_metadata(
+                request.match_info["model"], request.match_info.get("version")
+            )
         except ModelNotFoundError as e:
             return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
-        info = lv.info
-        return _json(
-            {
-                "name": lv.name,
-                "versions": sorted(slot.versions),
-                "platform": _PLATFORMS.get(info.backend, info.backend),
-                "inputs": [s.to_json() for s in info.inputs],
-                "outputs": [s.to_json() for s in info.outputs],
-                "parameters": {
-                    "version": lv.version,
-                    "role": slot.role_of(lv.version),
-                    "backend": info.backend,
-                    "provider": info.provider,
-                    "stable": slot.stable,
-                    "canary": None
-                    if slot.canary is None
-                    else {
-                        "version": slot.canary.version,
-                        "weight": slot.canary.weight,
-                        "enabled": slot.canary.enabled,
-                        "error_rate": slot.canary.error_rate,
-                    },
-                    "shadow": None
-                    if slot.shadow is None
-                    else {
-                        "version": slot.shadow.version,
-                        "compared": slot.shadow.compared,
-                        "agreement": slot.shadow.agreement,
-                    },
-                },
-            }
-        )
+        return _json(doc)
 
     async def model_ready(self, request: web.Request) -> web.Response:
         model = request.match_info["model"]
@@ -296,31 +353,141 @@ class Handlers:
             return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
         return _json({"name": lv.name, "version": lv.version, "ready": True})
 
+    async def model_config(self, request: web.Request) -> web.Response:
+        try:
+            doc = self.front.model_config(
+                request.match_info["model"], request.match_info.get("version")
+            )
+        except ModelNotFoundError as e:
+            return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
+        return _json(doc)
+
+    async def statistics(self, request: web.Request) -> web.Response:
+        try:
+            doc = await self.front.statistics(
+                request.match_info.get("model"), request.match_info.get("version")
+            )
+        except ModelNotFoundError as e:
+            return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
+        return _json(doc)
+
+    async def _small_json(self, request: web.Request) -> dict[str, Any]:
+        """An optional JSON object body of a control request (at most 64 KiB)."""
+        if request.content_length is not None and request.content_length > 65536:
+            raise RequestError(ErrorCode.TOO_LARGE, "control request body over 64 KiB")
+        raw = await request.content.read(65537)
+        if len(raw) > 65536:
+            raise RequestError(ErrorCode.TOO_LARGE, "control request body over 64 KiB")
+        if not raw.strip():
+            return {}
+        obj = loads(raw, max_bytes=65536)
+        if type(obj) is not dict:
+            raise RequestError(ErrorCode.BAD_REQUEST, "the body must be a JSON object")
+        return obj
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._small_json(request)
+            ready = body.get("ready", False)
+            if type(ready) is not bool:
+                raise RequestError(ErrorCode.BAD_REQUEST, "ready must be true or false")
+            return _json(await self.front.index(ready))
+        except Exception as e:
+            return _error(_classify(e))
+
+    async def repository_load(self, request: web.Request) -> web.Response:
+        return await self._control(request, "load")
+
+    async def repository_unload(self, request: web.Request) -> web.Response:
+        return await self._control(request, "unload")
+
+    async def _control(self, request: web.Request, action: str) -> web.Response:
+        name = request.match_info["model"]
+        try:
+            body = await self._small_json(request)
+            params = body.get("parameters")
+            if params:
+                raise RequestError(
+                    ErrorCode.NOT_IMPLEMENTED,
+                    f"{action} parameters ({', '.join(sorted(map(str, params))[:5])}) are not "
+                    "supported by this server: it loads the model file as it is",
+                )
+            await (self.front.load(name) if action == "load" else self.front.unload(name))
+        except Exception as e:
+            return _error(_classify(e))
+        return _json({})
+
+    async def not_offered(self, request: web.Request) -> web.Response:
+        path = request.path
+        if "systemsharedmemory" in path:
+            what = "system shared memory"
+        elif "cudasharedmemory" in path:
+            what = "CUDA shared memory"
+        elif path.endswith("/trace/setting"):
+            what = "trace settings"
+        else:
+            what = "log settings"
+        return _error(
+            RequestError(
+                ErrorCode.NOT_IMPLEMENTED,
+                f"{what} is not supported by this server ({request.method} {path[:200]})",
+            )
+        )
+
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         return web.Response(
-            body=self.metrics.exposition(),
+            body=await self.front.metrics_text(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
 
-def build_app(manager: ModelManager, *, max_body: int = DEFAULT_MAX_BODY) -> web.Application:
-    """The aiohttp application serving ``manager``'s models."""
+def _rows(call: Call) -> int:
+    for arr in call.feeds.values():
+        return int(arr.shape[0]) if arr.ndim else 1
+    return 1
+
+
+def build_app(
+    manager: ModelManager,
+    *,
+    max_body: int = DEFAULT_MAX_BODY,
+    front: FrontDoor | None = None,
+) -> web.Application:
+    """The aiohttp application serving ``manager``'s models (``front``: what answers the
+    protocol's other calls; by default one with no model control and no other processes)."""
+    front = front or FrontDoor(manager)
     app = web.Application(client_max_size=max_body, middlewares=[_route_errors])
     app[MANAGER] = manager
     app[METRICS] = manager.metrics
-    h = Handlers(manager, manager.metrics, max_body)
+    app[FRONT_DOOR] = front
+    h = Handlers(front, max_body)
     r = app.router
-    # aiohttp resolves routes in registration order: the inference routes come first.
+    # aiohttp resolves routes in registration order: the inference routes come first, and
+    # fixed paths (/v2/models/stats) before the {model} patterns that would swallow them.
     r.add_post("/v2/models/{model}/infer", h.infer_v2)
     r.add_post("/v2/models/{model}/versions/{version}/infer", h.infer_v2)
     r.add_post("/v1/infer", h.infer_v1)
     r.add_get("/v2", h.server_metadata)
     r.add_get("/v2/health/live", h.live)
     r.add_get("/v2/health/ready", h.ready)
+    r.add_get("/v2/models", h.models)
+    r.add_get("/v2/models/stats", h.statistics)
     r.add_get("/v2/models/{model}", h.model_metadata)
     r.add_get("/v2/models/{model}/versions/{version}", h.model_metadata)
     r.add_get("/v2/models/{model}/ready", h.model_ready)
     r.add_get("/v2/models/{model}/versions/{version}/ready", h.model_ready)
+    r.add_get("/v2/models/{model}/config", h.model_config)
+    r.add_get("/v2/models/{model}/versions/{version}/config", h.model_config)
+    r.add_get("/v2/models/{model}/stats", h.statistics)
+    r.add_get("/v2/models/{model}/versions/{version}/stats", h.statistics)
+    r.add_post("/v2/repository/index", h.repository_index)
+    r.add_post("/v2/repository/models/{model}/load", h.repository_load)
+    r.add_post("/v2/repository/models/{model}/unload", h.repository_unload)
+    for prefix in ("/v2/systemsharedmemory", "/v2/cudasharedmemory"):
+        r.add_route("*", prefix + "/{tail:.*}", h.not_offered)
+    r.add_route("*", "/v2/trace/setting", h.not_offered)
+    r.add_route("*", "/v2/models/{model}/trace/setting", h.not_offered)
+    r.add_route("*", "/v2/logging", h.not_offered)
     r.add_get("/healthz", h.live)
     r.add_get("/readyz", h.ready)
     r.add_get("/metrics", h.metrics_endpoint)

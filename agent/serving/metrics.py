@@ -7,6 +7,9 @@ process never share counters. Names follow Prometheus conventions (``_total`` co
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -209,6 +212,81 @@ class AgentMetrics:
             registry=r,
         )
 
+        self.processes = Gauge(
+            "mcp_agent_serving_processes",
+            "Processes serving requests on the agent's ports (mcp-agent serve --processes).",
+            registry=r,
+        )
+        self.processes.set(1)
+
     def exposition(self) -> bytes:
         """The text exposition format for ``GET /metrics``."""
         return generate_latest(self.registry)
+
+
+# How a gauge sums over serving processes (Prometheus multiprocess mode has the same choices):
+# most gauges add up (requests in flight, queue depth, memory); these say one thing for the
+# whole server, which every process repeats.
+_GAUGE_MODES = {
+    "mcp_agent_model_info": "max",
+    "mcp_agent_model_versions_loaded": "max",
+    "mcp_agent_canary_weight": "max",
+    "mcp_agent_shadow_agreement_ratio": "mean",
+    "mcp_agent_serving_processes": "max",
+    "process_start_time_seconds": "min",
+    "process_max_fds": "max",
+    "python_info": "max",
+}
+
+
+def merge_families(groups: Sequence[Iterable[Any]], *, processes: int) -> bytes:
+    """One text exposition from the metric families of several serving processes.
+
+    Counters, histograms and summaries add up sample by sample; gauges add up too except
+    those that state one fact for the whole server (``_GAUGE_MODES``: max, min or mean).
+    ``mcp_agent_serving_processes`` is set to ``processes``.
+    """
+    merged: dict[str, Any] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, list[float]]]] = {}
+    for families in groups:
+        for fam in families:
+            if fam.name not in merged:
+                merged[fam.name] = fam
+                values[fam.name] = {}
+            per_sample = values[fam.name]
+            for sample in fam.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                seen = per_sample.get(key)
+                if seen is None:
+                    per_sample[key] = (sample, [sample.value])
+                else:
+                    seen[1].append(sample.value)
+    out: list[Any] = []
+    for name, fam in merged.items():
+        mode = _GAUGE_MODES.get(name, "sum") if fam.type == "gauge" else "sum"
+        samples = []
+        for first, vals in values[name].values():
+            if name == "mcp_agent_serving_processes":
+                value = float(processes)
+            elif mode == "max":
+                value = max(vals)
+            elif mode == "min":
+                value = min(vals)
+            elif mode == "mean":
+                value = sum(vals) / len(vals)
+            else:
+                value = sum(vals)
+            samples.append(first._replace(value=value))
+        fam.samples = samples
+        out.append(fam)
+    return generate_latest(_Fixed(out))
+
+
+class _Fixed:
+    """A collector-like object holding finished families for ``generate_latest``."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Any]:
+        return iter(self._families)

@@ -131,6 +131,19 @@ class ModelDirectory:
         self._counters: dict[str, int] = {}
         self._names: dict[Path, str] = {}
 
+    def owned_names(self) -> set[str]:
+        """Names of the models this directory's files serve (loaded from here)."""
+        return set(self._names.values())
+
+    def name_of(self, path: Path) -> str:
+        """The model name ``path`` serves: known once loaded, else its stem (a bundle's own
+        name is known only once it has been opened)."""
+        return self._names.get(path) or path.stem
+
+    def claim(self, path: Path, name: str) -> None:
+        """Record that ``path`` serves ``name`` (loaded by explicit model control)."""
+        self._names[path] = name
+
     def reset_bundle_dir(self) -> None:
         """Remove bundles unpacked by an earlier run."""
         shutil.rmtree(self.bundle_dir, ignore_errors=True)

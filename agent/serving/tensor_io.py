@@ -19,6 +19,8 @@ import numpy as np
 import orjson
 
 from mcp_edge.agent.runtime.runner import Array, InputError, TensorSpec
+from mcp_edge.agent.serving.binary_tensors import raw_from_array
+from mcp_edge.agent.serving.oip import Call, not_implemented, output_requests, request_parameters
 from mcp_edge.shared.protocol.wire import MAX_TENSOR_ELEMENTS, Datatype
 
 if TYPE_CHECKING:
@@ -67,25 +69,38 @@ def tensors_to_feeds(inputs: list[InferTensor], specs: tuple[TensorSpec, ...]) -
     return feeds
 
 
-def decode_feeds(
-    obj: Any, specs: tuple[TensorSpec, ...]
-) -> tuple[str | None, dict[str, Array], list[str] | None]:
-    """A parsed request body as (request id, feeds, requested output names or None).
+def decode_feeds(obj: Any, specs: tuple[TensorSpec, ...]) -> Call:
+    """A parsed JSON request body as a :class:`~.oip.Call` (id, feeds, requested outputs and
+    the request's parameters).
 
     Raises :class:`MessageError` (schema, data) or :class:`InputError` (signature) with the
-    full path's message.
+    full path's message, or :class:`~.requests.RequestError` for a bad or unsupported
+    parameter.
     """
     fast = _fast_feeds(obj, specs)
     if fast is not None:
-        return fast[0], fast[1], None
+        params = obj.get("parameters")
+        if params is None:
+            return _call(Call, (fast[0], fast[1], None, False, None, None))
+        binary, priority, timeout_s = request_parameters(params)
+        return Call(fast[0], fast[1], None, binary, priority, timeout_s)
     # The message models load pydantic (about 10 MiB): only a body off the fast path pays.
     from mcp_edge.shared.protocol.codec import validate
     from mcp_edge.shared.protocol.inference import InferRequest
 
     req = validate(obj, InferRequest)
     feeds = tensors_to_feeds(req.inputs, specs)
-    wanted = [o.name for o in req.outputs] if req.outputs else None
-    return req.id, feeds, wanted
+    binary, priority, timeout_s = request_parameters(req.parameters)
+    for t in obj["inputs"]:
+        tparams = t.get("parameters")
+        if type(tparams) is dict and "shared_memory_region" in tparams:
+            raise not_implemented(f"input {t['name']!r}: shared memory")
+    wanted = output_requests(obj.get("outputs"))
+    return Call(req.id, feeds, wanted or None, binary, priority, timeout_s)
+
+
+# Call(...) goes through a Python-level __new__; this builds the same tuple at half the cost.
+_call = tuple.__new__
 
 
 def _fast_feeds(
@@ -198,37 +213,50 @@ def encode_response(
     model_name: str,
     model_version: str,
     request_id: str | None,
-    outputs: dict[str, Array],
-    names: Sequence[str],
-) -> bytes:
-    """The answer body (JSON bytes) holding ``names`` from ``outputs``."""
+    tensors: Sequence[tuple[str, Array, bool]],
+) -> tuple[bytes, int | None]:
+    """The answer body holding ``tensors`` (name, array, binary) and, when any tensor goes in
+    binary (the binary tensor extension), the length of its JSON header; None: all JSON."""
+    entries: list[dict[str, Any]] = []
+    parts: list[bytes | memoryview] = []
+    for name, arr, binary in tensors:
+        if binary:
+            raw = raw_from_array(arr)
+            parts.append(raw)
+            entries.append(_tensor_header(name, arr, len(raw)))
+        else:
+            entries.append(_tensor_json(name, arr))
     body: dict[str, Any] = {
         "model_name": model_name,
         "model_version": model_version,
-        "outputs": [_tensor_json(n, outputs[n]) for n in names],
+        "outputs": entries,
     }
     if request_id is not None:
         body["id"] = request_id
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    head = orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not parts:
+        return head, None
+    return b"".join((head, *parts)), len(head)
 
 
-def output_names(
-    outputs: dict[str, Array], wanted: list[str] | None, default: Sequence[str]
-) -> Sequence[str]:
-    """The outputs an answer holds: the requested ones (all must exist), else ``default``."""
-    if wanted is None:
-        return default
-    unknown = [n for n in wanted if n not in outputs]
-    if unknown:
-        raise InputError(f"unknown output(s) {unknown}; the model has {sorted(outputs)}")
-    return wanted
+def _tensor_header(name: str, arr: Array, size: int) -> dict[str, Any]:
+    return {
+        "name": name,
+        "datatype": _kind(arr.dtype)[0],
+        "shape": list(arr.shape),
+        "parameters": {"binary_data_size": size},
+    }
+
+
+def _kind(dtype: np.dtype[Any]) -> tuple[str, bool]:
+    kind = _ANSWER_KINDS.get(dtype)
+    if kind is None:
+        kind = _ANSWER_KINDS[dtype] = _answer_kind(dtype)
+    return kind
 
 
 def _tensor_json(name: str, arr: Array) -> dict[str, Any]:
-    kind = _ANSWER_KINDS.get(arr.dtype)
-    if kind is None:
-        kind = _ANSWER_KINDS[arr.dtype] = _answer_kind(arr.dtype)
-    datatype, native = kind
+    datatype, native = _kind(arr.dtype)
     data: Any
     if datatype == "BYTES":
         data = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in arr.flat]

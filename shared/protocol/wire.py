@@ -96,6 +96,8 @@ class ErrorCode(str, enum.Enum):
     TIMEOUT = "timeout"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
+    NOT_IMPLEMENTED = "not_implemented"
+    """A protocol feature this server does not offer (shared memory, sequence batching)."""
 
     @property
     def http_status(self) -> int:
@@ -114,6 +116,7 @@ _HTTP_STATUS = {
     ErrorCode.TIMEOUT: 504,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.NOT_IMPLEMENTED: 501,
 }
 
 

@@ -156,7 +156,8 @@ def test_fast_path_agrees_with_full_validation(obj: Any, specs: tuple[TensorSpec
         except (MessageError, InputError) as fast_error:
             assert str(fast_error) == str(e)
         return
-    rid, feeds, wanted = decode_feeds(obj, specs)
+    call = decode_feeds(obj, specs)
+    rid, feeds, wanted = call.request_id, call.feeds, call.outputs
     assert rid == want_id
     assert feeds.keys() == want.keys()
     for name, arr in want.items():
@@ -169,8 +170,8 @@ def test_fast_path_agrees_with_full_validation(obj: Any, specs: tuple[TensorSpec
 
 def test_requested_outputs_come_back_from_the_full_path() -> None:
     obj = _body([1.0] * 4, outputs=[{"name": "probabilities"}])
-    _, _, wanted = decode_feeds(obj, F32)
-    assert wanted == ["probabilities"]
+    wanted = decode_feeds(obj, F32).outputs
+    assert wanted is not None and [o.name for o in wanted] == ["probabilities"]
 
 
 def test_answer_body_holds_values_shape_and_datatype() -> None:
@@ -183,7 +184,10 @@ def test_answer_body_holds_values_shape_and_datatype() -> None:
         "big_endian": np.array([1.0, 2.0], dtype=">f4"),
         "names": np.array(["cat", "dog"], dtype=object),
     }
-    raw = encode_response("digits", "1.0.0", "r-1", outputs, list(outputs))
+    raw, head = encode_response(
+        "digits", "1.0.0", "r-1", [(n, a, False) for n, a in outputs.items()]
+    )
+    assert head is None
     doc = orjson.loads(raw)
     assert doc["model_name"] == "digits" and doc["model_version"] == "1.0.0"
     assert doc["id"] == "r-1"
