@@ -86,6 +86,9 @@ class RuntimeSettings:
     memory_budget_mb: int = field(default=0, metadata={"ge": 0})
     memory_budget_fraction: float = field(default=0.5, metadata={"gt": 0, "le": 1})
     selection: SelectionSettings = field(default_factory=SelectionSettings)
+    processes: int = field(default=1, metadata={"ge": 0, "le": 64})
+    """Serving processes on the agent's ports (``mcp-agent serve/run --processes``), each with
+    its own model instances; 0: one per four cores, from 1 to 8."""
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,31 @@ class DriftObserver(Protocol):
         changed afterwards and may be kept."""
 
 
+class Replicas(Protocol):
+    """The other serving processes of a multi-process server (``agent.serving.workers``),
+    which load, swap and unload the same versions as this manager does."""
+
+    @property
+    def copies(self) -> int:
+        """How many other copies of each loaded version they hold."""
+
+    async def prepare(self, source: ModelSource) -> None:
+        """Load and check ``source`` in every other process; raises ModelLoadError (having
+        discarded the copies that loaded) when one fails."""
+
+    async def commit(self, source: ModelSource, role: str, canary: CanaryPolicy) -> None:
+        """Give the prepared ``source`` its role in every other process."""
+
+    async def abort(self, source: ModelSource) -> None:
+        """Discard the prepared copies of ``source``."""
+
+    async def unload(self, name: str, version: str | None) -> None:
+        """Unload a version (or the whole model) in every other process."""
+
+    def set_canary_policy(self, name: str, policy: CanaryPolicy) -> None:
+        """Apply a canary policy in every other process (sent in the background)."""
+
+
 class ModelNotFoundError(RunnerError):
     """No such model, or no such version of it, is loaded."""
 
@@ -262,6 +287,8 @@ class ModelManager:
         self._lock = asyncio.Lock()
         self._retiring: set[asyncio.Task[None]] = set()
         self._shadow_tasks: set[asyncio.Task[None]] = set()
+        self.replicas: Replicas | None = None
+        """Other serving processes that mirror every load, swap and unload; None: alone."""
 
     # ----------------------------------------------------------------- queries
     @property
@@ -287,6 +314,8 @@ class ModelManager:
         slot.canary.policy = policy
         if slot.canary.enabled:
             self.metrics.canary_weight.labels(name).set(policy.weight)
+        if self.replicas is not None:
+            self.replicas.set_canary_policy(name, policy)
         return True
 
     def get(self, name: str, version: str | None = None) -> LoadedVersion:
@@ -296,6 +325,24 @@ class ModelManager:
         if lv is None:
             raise ModelNotFoundError(f"model {name!r} has no loaded version {version!r}")
         return lv
+
+    def find(self, name: str, version: str) -> LoadedVersion | None:
+        """The loaded version ``version`` of ``name`` (retiring ones included), or None."""
+        slot = self._slots.get(name)
+        return None if slot is None else slot.versions.get(version)
+
+    def snapshot(self) -> list[tuple[LoadedVersion, str, CanaryPolicy]]:
+        """Every loaded version with its role and canary policy, stable versions first (a
+        canary or shadow needs its stable); versions retiring after a swap are left out."""
+        stables: list[tuple[LoadedVersion, str, CanaryPolicy]] = []
+        others: list[tuple[LoadedVersion, str, CanaryPolicy]] = []
+        for slot in self._slots.values():
+            policy = slot.canary.policy if slot.canary is not None else DEFAULT_CANARY_POLICY
+            for version, lv in slot.versions.items():
+                role = slot.role_of(version)
+                if role != "retiring":
+                    (stables if role == "stable" else others).append((lv, role, policy))
+        return stables + others
 
     @property
     def ready(self) -> bool:
@@ -312,15 +359,54 @@ class ModelManager:
         """Load, warm and check ``source``, then give it ``role`` (stable, canary or shadow);
         a canary serves under ``canary``, its policy.
 
-        Loading ``stable`` over an existing stable is a hot swap. Raises
-        :class:`ModelLoadError` (nothing changes) when the model does not load, does not fit in
-        memory, or fails its warm-up checks.
+        Loading ``stable`` over an existing stable is a hot swap. With :attr:`replicas` (other
+        serving processes) every process loads and checks its own copy first, and the role
+        changes in all of them only once every copy passed. Raises :class:`ModelLoadError`
+        (nothing changes anywhere) when the model does not load, does not fit in memory (all
+        copies counted), or fails its warm-up checks.
         """
         if role not in ("stable", "canary", "shadow"):
             raise ValueError(f"unknown role {role!r}")
         existing = self._slots.get(source.name)
         if existing is not None and source.version in existing.versions:
             raise ModelLoadError(f"{source.name} {source.version} is already loaded")
+        if role != "stable" and (existing is None or existing.stable is None):
+            raise ModelLoadError(f"{source.name}: load a stable version before a {role}")
+        lv = await self.prepare(source)
+        replicas = self.replicas
+        if replicas is not None:
+            try:
+                await replicas.prepare(source)
+            except BaseException:
+                await lv.close()
+                raise
+        async with self._lock:
+            try:
+                self._install(lv, role, canary)
+            except BaseException:
+                if replicas is not None:
+                    await replicas.abort(source)
+                await lv.close()
+                raise
+        if replicas is not None:
+            await replicas.commit(source, role, canary)
+        log.info(
+            "loaded %s %s as %s on %s/%s (load %.0f ms, warm-up %.0f ms)",
+            source.name,
+            source.version,
+            role,
+            lv.info.backend,
+            lv.info.provider,
+            lv.load_s * 1000,
+            lv.warmup_s * 1000,
+        )
+        return lv
+
+    async def prepare(self, source: ModelSource) -> LoadedVersion:
+        """Load, warm and check ``source`` without giving it a role (:meth:`commit` does).
+
+        Raises :class:`ModelLoadError` like :meth:`load`.
+        """
         self._check_memory(source)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
@@ -343,19 +429,15 @@ class ModelManager:
         lv = LoadedVersion(source, runners, batcher, load_s, warmup_s, statistics)
         self.metrics.load_seconds.labels(source.name).observe(load_s)
         self.metrics.warmup_seconds.labels(source.name).observe(warmup_s)
+        return lv
+
+    async def commit(
+        self, lv: LoadedVersion, role: str, canary: CanaryPolicy = DEFAULT_CANARY_POLICY
+    ) -> None:
+        """Give a version from :meth:`prepare` its role (a hot swap for ``stable``). Raises
+        :class:`ModelLoadError` (a canary or shadow with no stable)."""
         async with self._lock:
             self._install(lv, role, canary)
-        log.info(
-            "loaded %s %s as %s on %s/%s (load %.0f ms, warm-up %.0f ms)",
-            source.name,
-            source.version,
-            role,
-            lv.info.backend,
-            lv.info.provider,
-            load_s * 1000,
-            warmup_s * 1000,
-        )
-        return lv
 
     def _make_batcher(
         self,
@@ -450,6 +532,8 @@ class ModelManager:
                 self._retire(slot, v)
             if not slot.versions:
                 del self._slots[name]
+        if self.replicas is not None:
+            await self.replicas.unload(name, version)
         await self.drain_retired()
 
     async def drain_retired(self) -> None:
@@ -469,10 +553,12 @@ class ModelManager:
         except OSError as e:
             raise ModelLoadError(f"{source.model_path}: cannot read model file: {e}") from e
         available = self._available_memory()
-        need = int(size * self._memory_factor) + 16 * 1024 * 1024
+        copies = 1 + (self.replicas.copies if self.replicas is not None else 0)
+        need = (int(size * self._memory_factor) + 16 * 1024 * 1024) * copies
         if available is not None and need > available:
+            where = f" ({copies} serving processes load a copy each)" if copies > 1 else ""
             raise ModelLoadError(
-                f"{source.name} {source.version} needs about {need >> 20} MiB to load; "
+                f"{source.name} {source.version} needs about {need >> 20} MiB to load{where}; "
                 f"{available >> 20} MiB is available"
             )
 

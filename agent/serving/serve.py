@@ -21,16 +21,20 @@ from mcp_edge.agent.runtime.batcher import BatchingConfig
 from mcp_edge.agent.runtime.manager import ModelManager, ModelSource, RunnerFactory
 from mcp_edge.agent.runtime.runner import ModelRunner
 from mcp_edge.agent.serving.http_api import DEFAULT_MAX_BODY, build_app
+from mcp_edge.agent.serving.model_control import ModelControl
 from mcp_edge.agent.serving.model_dir import (
     ModelDirectory,
     ModelDirectoryWatcher,
 )
+from mcp_edge.agent.serving.service import FrontDoor
 from mcp_edge.shared.cli_style import JsonFormatter, log_options, setup_logging
 from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.profiles import HardwareProfile
 from mcp_edge.shared.protocol.canary import DEFAULT_CANARY_POLICY, CanaryPolicy
 
 if TYPE_CHECKING:
+    from mcp_edge.agent.serving.grpc_api import GrpcServer
+    from mcp_edge.agent.serving.workers import ReplicaGroup
     from mcp_edge.shared.signing import PublicKey
 
 log = logging.getLogger("mcp.agent")
@@ -91,6 +95,37 @@ class ServeConfig:
     access_log: bool = False
     candidates: tuple[Candidate, ...] = ()
     canary_max_error_rate: float = DEFAULT_CANARY_POLICY.max_error_rate
+    grpc_port: int | None = None
+    """Also serve ``inference.GRPCInferenceService`` here (0: any free port); None: no gRPC."""
+    processes: int | None = None
+    """Serving processes (each with its own model instances); 0: one per four cores; None:
+    the profile's ``runtime.processes``."""
+    model_control: str = "poll"
+    """``poll``: reload model files as they change; ``explicit``: load and unload only through
+    the repository API (no watcher)."""
+
+
+def serving_processes(config: ServeConfig, profile: HardwareProfile) -> int:
+    """How many processes serve: ``--processes``, else the profile's (0: one per four cores)."""
+    from mcp_edge.agent.serving.workers import MAX_PROCESSES, auto_processes
+
+    wanted = config.processes if config.processes is not None else profile.runtime.processes
+    return min(MAX_PROCESSES, wanted or auto_processes())
+
+
+def build_manager(config: ServeConfig, profile: HardwareProfile, processes: int) -> ModelManager:
+    """The model manager one serving process runs (the primary and each worker alike)."""
+    return ModelManager(
+        runner_factory(
+            profile,
+            workers=config.workers,
+            threads=config.threads,
+            backend=config.backend,
+            cache_dir=config.state_dir / "cache",
+            processes=processes,
+        ),
+        batching=config.batching,
+    )
 
 
 def default_state_dir() -> Path:
@@ -117,17 +152,19 @@ def runner_factory(
     threads: int | None,
     backend: str | None,
     cache_dir: Path | None = None,
+    processes: int = 1,
 ) -> RunnerFactory:
     """Open ``workers`` runners per model version with :func:`load_runner`.
 
     ``cache_dir``: the agent's cache directory (``STATE_DIR/cache``), where backends keep
-    compiled models and engines; None: no caches.
+    compiled models and engines; None: no caches. With several instances or serving
+    processes and no ``threads``, the cores are split between all of them.
     """
     from mcp_edge.agent.runtime.loader import load_runner
 
     per_instance = threads
-    if per_instance is None and workers > 1:
-        per_instance = max(1, (os.cpu_count() or 1) // workers)
+    if per_instance is None and workers * processes > 1:
+        per_instance = max(1, (os.cpu_count() or 1) // (workers * processes))
 
     def build(source: ModelSource) -> Sequence[ModelRunner]:
         runners: list[ModelRunner] = []
@@ -172,17 +209,10 @@ async def run_server(
     """
     profile, reasons = choose_profile(config.profile)
     log.info("profile %s (%s)", profile.name, "; ".join(reasons[:3]))
-    manager = ModelManager(
-        runner_factory(
-            profile,
-            workers=config.workers,
-            threads=config.threads,
-            backend=config.backend,
-            cache_dir=config.state_dir / "cache",
-        ),
-        batching=config.batching,
-    )
+    processes = serving_processes(config, profile)
+    manager = build_manager(config, profile, processes)
     watcher = None
+    model_dir = None
     if config.model_path is not None:
         model_dir = ModelDirectory(
             config.model_path,
@@ -201,21 +231,31 @@ async def run_server(
                     weight=cand.weight, max_error_rate=config.canary_max_error_rate
                 ),
             )
-        if config.watch_interval_s:
+        if config.watch_interval_s and config.model_control != "explicit":
             watcher = ModelDirectoryWatcher(
                 model_dir, manager, known, interval_s=config.watch_interval_s
             )
             watcher.start()
-    app = build_app(manager, max_body=config.max_body)
+    control = ModelControl(manager, model_dir, explicit=config.model_control == "explicit")
+    front = FrontDoor(manager, control=control)
+    app = build_app(manager, max_body=config.max_body, front=front)
     runner = web.AppRunner(app, access_log=log if config.access_log else None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    site = web.TCPSite(
+        runner, config.host, config.port, reuse_address=True, reuse_port=processes > 1 or None
+    )
+    grpc_server: GrpcServer | None = None
+    group: ReplicaGroup | None = None
     try:
         try:
             await site.start()
         except OSError as e:
             reason = os.strerror(e.errno) if e.errno else str(e)
             raise ListenError(f"cannot listen on {config.host}:{config.port}: {reason}") from e
+        if config.grpc_port is not None:
+            grpc_server = await _start_grpc(front, config)
+        if processes > 1:
+            group = await _start_workers(config, manager, front, processes, runner, grpc_server)
         for name in manager.names():
             lv = manager.get(name)
             log.info("serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider)
@@ -227,6 +267,14 @@ async def run_server(
                 loop.add_signal_handler(sig, stop.set)
         where = listen_url(config.host, runner.addresses)
         _announce(where, profile, manager.names(), attach, watching=watcher is not None)
+        if grpc_server is not None:
+            _say(
+                f"gRPC (inference.GRPCInferenceService) on {_host_port(config.host, grpc_server.port)}"
+            )
+        if processes > 1:
+            _say(f"{processes} serving processes share these ports")
+        if config.model_control == "explicit":
+            _say("explicit model control: POST /v2/repository/models/NAME/load|unload")
         async with contextlib.AsyncExitStack() as stack:
             if attach is not None:
                 await stack.enter_async_context(attach(manager, profile))
@@ -237,8 +285,67 @@ async def run_server(
         log.info("shutting down: draining requests")
         if watcher is not None:
             await watcher.stop()
+        if group is not None:
+            manager.replicas = None
+            front.cluster = None
+            await group.stop()
+        if grpc_server is not None:
+            await grpc_server.stop()
         await runner.cleanup()
         await manager.close()
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _start_grpc(front: FrontDoor, config: ServeConfig) -> GrpcServer:
+    """The gRPC service on ``config.grpc_port``. Raises ListenError (also when the grpc extra
+    is not installed)."""
+    assert config.grpc_port is not None
+    try:
+        from mcp_edge.agent.serving.grpc_api import GrpcServer
+    except ImportError as e:
+        raise ListenError(
+            f"--grpc-port needs grpcio and tritonclient ({e.name or e}); "
+            "pip install 'mcp-edge[grpc]'"
+        ) from e
+    server = GrpcServer(front, config.host, config.grpc_port, max_message=config.max_body)
+    try:
+        await server.start()
+    except OSError as e:
+        raise ListenError(str(e)) from e
+    return server
+
+
+async def _start_workers(
+    config: ServeConfig,
+    manager: ModelManager,
+    front: FrontDoor,
+    processes: int,
+    runner: web.AppRunner,
+    grpc_server: GrpcServer | None,
+) -> ReplicaGroup:
+    """Start the worker processes on the ports this process bound and put them in step."""
+    from mcp_edge.agent.serving.workers import ReplicaGroup
+
+    root = logging.getLogger()
+    json_logs = any(isinstance(h.formatter, JsonFormatter) for h in root.handlers)
+    group = ReplicaGroup(
+        config,
+        manager,
+        front,
+        processes=processes,
+        http_port=runner.addresses[0][1],
+        grpc_port=None if grpc_server is None else grpc_server.port,
+        log_level=logging.getLevelName(root.level).lower(),
+        log_format="json" if json_logs else "text",
+    )
+    await group.start()
+    manager.replicas = group
+    front.cluster = group
+    manager.metrics.processes.set(processes)
+    return group
 
 
 def _say(line: str) -> None:
@@ -384,6 +491,28 @@ _SERVING_OPTIONS: tuple[_OptionDecorator, ...] = (
         help="Largest HTTP request body, in MiB (413 above it).",
     ),
     click.option("--access-log", is_flag=True, help="Log every request."),
+    click.option(
+        "--grpc-port",
+        default=None,
+        type=click.IntRange(0, 65535),
+        help="Also serve the Open Inference Protocol over gRPC (inference.GRPCInferenceService, "
+        "what tritonclient.grpc speaks) on this port (0: any free port, printed).",
+    ),
+    click.option(
+        "--processes",
+        default=None,
+        type=click.IntRange(0, 64),
+        help="Serving processes sharing the port(s), each with its own model instances "
+        "(0: one per four cores, 1 to 8; default: the profile's runtime.processes).",
+    ),
+    click.option(
+        "--model-control",
+        type=click.Choice(["poll", "explicit"]),
+        default="poll",
+        show_default=True,
+        help="poll: reload model files as they change; explicit: load and unload models only "
+        "through POST /v2/repository/models/NAME/load|unload (and gRPC), no file watching.",
+    ),
 )
 
 
@@ -408,6 +537,9 @@ class ServingOptions:
     state_dir: Path | None
     max_body_mb: int
     access_log: bool
+    grpc_port: int | None
+    processes: int | None
+    model_control: str
 
     @property
     def state(self) -> Path:
@@ -448,6 +580,9 @@ class ServingOptions:
             access_log=self.access_log,
             candidates=candidates,
             canary_max_error_rate=canary_max_error_rate,
+            grpc_port=self.grpc_port,
+            processes=self.processes,
+            model_control=self.model_control,
         )
 
 
@@ -534,7 +669,8 @@ def serve_command(
     log_level: str,
     log_format: str,
 ) -> None:
-    """Serve models over HTTP (Open Inference Protocol v2 and /v1/infer) with no control plane.
+    """Serve models over HTTP and gRPC (Open Inference Protocol v2 with Triton's extensions, and
+    /v1/infer) with no control plane.
 
     \b
     Examples:
@@ -542,6 +678,7 @@ def serve_command(
       mcp-agent serve --model-path models/ --workers 2 --trust-key publisher.pub
       mcp-agent serve --model-path digits.onnx --canary next/digits.onnx:0.2
       mcp-agent serve --model-path digits.onnx --port 0   # any free port, printed
+      mcp-agent serve --model-path models/ --grpc-port 8001 --processes 2
       curl localhost:8000/v2/models/digits
     """
     setup_logging(log_level.lower(), log_format)
