@@ -42,6 +42,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
 from mcp_edge.agent.serving.metrics import AgentMetrics
@@ -92,8 +93,10 @@ def _classify(e: Exception) -> RequestError:
     # aiohttp refusing a body over client_max_size is the one failure only HTTP has.
     if isinstance(e, web.HTTPRequestEntityTooLarge):
         return RequestError(ErrorCode.TOO_LARGE, "request body is too large")
-    if isinstance(e, web.HTTPException):  # e.g. a body that does not decompress
+    if isinstance(e, web.HTTPException):
         return RequestError(ErrorCode.BAD_REQUEST, f"cannot read the request body: {e.reason}")
+    if isinstance(e, RequestPayloadError):  # e.g. Content-Encoding gzip on bytes that are not
+        return RequestError(ErrorCode.BAD_REQUEST, f"cannot read the request body: {e}")
     return classify(e)
 
 
