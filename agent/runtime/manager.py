@@ -361,7 +361,8 @@ class ModelManager:
 
         Loading ``stable`` over an existing stable is a hot swap. With :attr:`replicas` (other
         serving processes) every process loads and checks its own copy first, and the role
-        changes in all of them only once every copy passed. Raises :class:`ModelLoadError`
+        changes in all of them only once every copy passed (in the others first, then here).
+        Raises :class:`ModelLoadError`
         (nothing changes anywhere) when the model does not load, does not fit in memory (all
         copies counted), or fails its warm-up checks.
         """
@@ -380,16 +381,18 @@ class ModelManager:
             except BaseException:
                 await lv.close()
                 raise
+        if replicas is not None:
+            # The other processes first: once this process (whose state the update agent and
+            # the metadata report) serves the version, every process does.
+            await replicas.commit(source, role, canary)
         async with self._lock:
             try:
                 self._install(lv, role, canary)
             except BaseException:
                 if replicas is not None:
-                    await replicas.abort(source)
+                    await replicas.unload(source.name, source.version)
                 await lv.close()
                 raise
-        if replicas is not None:
-            await replicas.commit(source, role, canary)
         log.info(
             "loaded %s %s as %s on %s/%s (load %.0f ms, warm-up %.0f ms)",
             source.name,

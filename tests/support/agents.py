@@ -20,11 +20,13 @@ def launch_repo_agent(
     tmp_path: Path,
     processes: list[subprocess.Popen[str]],
     device_id: str,
+    extra_args: tuple[str, ...] = (),
 ) -> tuple[SignedRepo, str]:
     """Enroll ``device_id`` on disk (broker account = its id, the repository's root and
     director key as trust), start ``mcp-agent run`` with health and statistics intervals of an
     hour (its log in ``tmp_path/agent.log``), and return the repository and its base URL. The
-    process goes into ``processes`` (the caller stops it)."""
+    process goes into ``processes`` (the caller stops it); ``extra_args`` go on its command
+    line."""
     repo = SignedRepo.create(tmp_path / "tuf")
     state = tmp_path / "agent"
     save_enrollment(state, "http://127.0.0.1:9", EnrollmentAnswer(
@@ -38,7 +40,8 @@ def launch_repo_agent(
     with (tmp_path / "agent.log").open("w") as log:  # the agent's log, for when a test fails
         processes.append(subprocess.Popen(
             [*AGENT, "run", "--repo", repo.directory.as_uri(), "--port", str(port),
-             "--state-dir", str(state), "--health-interval", "3600", "--stats-interval", "3600"],
+             "--state-dir", str(state), "--health-interval", "3600", "--stats-interval", "3600",
+             *extra_args],
             stdout=subprocess.DEVNULL, stderr=log, text=True, cwd=REPO, env=process_env(),
         ))  # fmt: skip
     return repo, f"http://127.0.0.1:{port}"
