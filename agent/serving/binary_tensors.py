@@ -5,7 +5,8 @@ Both carry a tensor as its elements in row-major order, little-endian, with no p
 (4 bytes, little-endian, unsigned) followed by its bytes. :func:`array_from_raw` checks the
 declared size against the bytes at hand before anything is allocated and returns a numpy view
 of the caller's buffer (no copy) when the buffer is aligned for the element type;
-:func:`raw_from_array` is the reverse. Pure numpy; no transport here.
+:func:`raw_from_array` is the reverse. :func:`bytes_as_text` turns BYTES elements into the
+text model runtimes take. Pure numpy; no transport here.
 """
 
 from __future__ import annotations
@@ -106,16 +107,41 @@ def _bytes_elements(name: str, raw: memoryview, count: int) -> Array:
     return out
 
 
+def bytes_as_text(name: str, arr: Array) -> Array:
+    """A BYTES tensor's elements decoded from UTF-8 to ``str``, as its JSON form gives them.
+
+    Model runtimes take text for string tensors (onnxruntime would feed a ``bytes`` element as
+    its repr, ``"b'...'"``, and answer wrongly without an error), so BYTES inputs that arrive
+    raw are handed to the model as text. Raises :class:`MessageError` naming the first
+    element that is not UTF-8.
+    """
+    flat = arr.reshape(-1)
+    out: Array = np.empty(flat.shape[0], dtype=object)
+    for i, v in enumerate(flat):
+        if isinstance(v, bytes):
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise MessageError(
+                    f"tensor {name!r}: BYTES element {i} is not UTF-8 text (this server hands "
+                    "BYTES inputs to the model as text)"
+                ) from None
+        out[i] = v
+    text: Array = out.reshape(arr.shape)
+    return text
+
+
 def raw_from_array(arr: Array) -> bytes | memoryview:
     """``arr``'s elements as the raw bytes of its protocol datatype (a view where the array is
     already C-contiguous little-endian)."""
     kind = arr.dtype.kind
     if kind in "OUS":
         return bytes_elements_raw(arr)
+    # Flat first: memoryview.cast refuses a shape with a zero in it (an empty batch).
     if kind == "b":
-        return np.ascontiguousarray(arr).view(np.uint8).data.cast("B")
+        return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data.cast("B")
     little = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
-    return little.data.cast("B")
+    return little.reshape(-1).data.cast("B")
 
 
 def bytes_elements_raw(arr: Array) -> bytes:

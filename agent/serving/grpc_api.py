@@ -40,7 +40,8 @@ from tritonclient.grpc import service_pb2_grpc
 
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
 from mcp_edge.agent.runtime.runner import Array, InputError, TensorSpec
-from mcp_edge.agent.serving.binary_tensors import array_from_raw, raw_from_array
+from mcp_edge.agent.serving.binary_tensors import array_from_raw, bytes_as_text, raw_from_array
+from mcp_edge.agent.serving.model_control import check_parameters
 from mcp_edge.agent.serving.oip import (
     Call,
     OutputRequest,
@@ -117,7 +118,7 @@ def _typed_contents(name: str, dt: Datatype, shape: list[int], contents: Any) ->
     if dt is Datatype.BYTES:
         arr = np.empty(count, dtype=object)
         arr[:] = list(values)
-        return arr.reshape(shape)
+        return bytes_as_text(name, arr.reshape(shape))
     target = dt.numpy_dtype
     wide = np.array(values, dtype=np.float64 if target.kind == "f" else np.int64 if
                     target.kind in "ib" else np.uint64)  # fmt: skip
@@ -151,7 +152,8 @@ def decode_grpc_request(request: Any, specs: tuple[TensorSpec, ...]) -> Call:
         if raws:
             if t.HasField("contents"):
                 raise MessageError(f"input {name!r}: give raw_input_contents or contents, not both")
-            feeds[name] = array_from_raw(name, dt, shape, memoryview(raws[i]))
+            arr = array_from_raw(name, dt, shape, memoryview(raws[i]))
+            feeds[name] = bytes_as_text(name, arr) if dt is Datatype.BYTES else arr
         else:
             feeds[name] = _typed_contents(name, dt, shape, t.contents)
     missing = by_name.keys() - feeds.keys()
@@ -277,12 +279,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     async def _control(self, context: Any, action: str, request: Any) -> None:
         try:
-            if request.parameters:
-                raise RequestError(
-                    ErrorCode.NOT_IMPLEMENTED,
-                    f"{action} parameters are not supported by this server: it loads the "
-                    "model file as it is",
-                )
+            params = {k: _param_value(v) for k, v in request.parameters.items()}
+            check_parameters(action, params)
             name = request.model_name
             await (self.front.load(name) if action == "load" else self.front.unload(name))
         except RequestError as e:

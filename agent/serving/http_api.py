@@ -21,11 +21,11 @@ followed by the raw bytes of the inputs that carry ``binary_data_size``
 (:func:`.oip.decode_binary_request`); outputs come back in binary when the request or the
 output asks (``binary_data_output``, ``binary_data``), with the header set on the answer.
 Request bodies may be gzip or deflate compressed (``Content-Encoding``; the size cap applies
-to the decompressed body); answers of 1 KiB and more are compressed when ``Accept-Encoding``
-asks. Headers: ``X-Model-Version`` pins a version, ``X-Request-Key`` makes canary routing
-sticky, ``X-Priority`` is high/normal/low, ``X-Timeout-Ms`` sets the request deadline (read,
-with their MQTT counterparts, by :mod:`.requests`); the request's ``priority`` and ``timeout``
-parameters win over them. Every error is ``{"error": "...", "code": "..."}`` with the matching
+to the decompressed body); answers of 1 KiB and more are compressed (gzip, else deflate) when
+``Accept-Encoding`` accepts it (:func:`accepted_coding`). Headers: ``X-Model-Version`` pins a
+version, ``X-Request-Key`` makes canary routing sticky, ``X-Priority`` is high/normal/low,
+``X-Timeout-Ms`` sets the request deadline (read, with their MQTT counterparts, by
+:mod:`.requests`); the request's ``priority`` and ``timeout`` parameters win over them. Every error is ``{"error": "...", "code": "..."}`` with the matching
 status (:func:`.requests.classify`); 429 carries ``Retry-After``; a path no route has is 404
 ``not_found``, a method the path does not take 405 ``bad_request`` with ``Allow``; the parts
 of Triton's protocol not offered (shared memory, tracing, log settings) answer 501
@@ -43,9 +43,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
+from aiohttp.web_response import ContentCoding
 
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
 from mcp_edge.agent.serving.metrics import AgentMetrics
+from mcp_edge.agent.serving.model_control import check_parameters
 from mcp_edge.agent.serving.oip import Call, answer_tensors, decode_binary_request
 from mcp_edge.agent.serving.preprocess import prepare_v1_inputs, top_k
 from mcp_edge.agent.serving.requests import (
@@ -125,7 +127,8 @@ def split_binary_body(body: bytes, header_length: str) -> tuple[memoryview, memo
     Raises MessageError when ``Inference-Header-Content-Length`` is not a byte count within
     the body.
     """
-    if not header_length.isdigit() or len(header_length) > 12:
+    # isascii: str.isdigit() also takes digits int() refuses ("²", a UTF-8 header byte pair).
+    if not (header_length.isascii() and header_length.isdigit()) or len(header_length) > 12:
         raise MessageError(f"{HEADER_LENGTH} must be a byte count, not {header_length[:20]!r}")
     n = int(header_length)
     if n == 0 or n > len(body):
@@ -137,9 +140,32 @@ def split_binary_body(body: bytes, header_length: str) -> tuple[memoryview, memo
     return view[:n], view[n:]
 
 
+def accepted_coding(accept_encoding: str) -> ContentCoding | None:
+    """The compression an ``Accept-Encoding`` header accepts, gzip before deflate; None when
+    it accepts neither (``q=0`` refuses a coding, ``*`` stands for those not named)."""
+    weights: dict[str, float] = {}
+    for item in accept_encoding.lower().split(","):
+        name, _, params = item.partition(";")
+        q = 1.0
+        for param in params.split(";"):
+            key, _, value = param.partition("=")
+            if key.strip() == "q":
+                try:
+                    q = float(value)
+                except ValueError:
+                    q = 0.0
+        weights[name.strip()] = q
+    for coding in (ContentCoding.gzip, ContentCoding.deflate):
+        if weights.get(coding.value, weights.get("*", 0.0)) > 0:  # NaN is not > 0
+            return coding
+    return None
+
+
 def _compress_if_asked(request: web.Request, response: web.Response, size: int) -> None:
-    if size >= COMPRESS_FROM and "Accept-Encoding" in request.headers:
-        response.enable_compression()
+    # Not aiohttp's own choice: it matches the names alone, so "gzip;q=0" would get gzip.
+    coding = accepted_coding(request.headers.get("Accept-Encoding", ""))
+    if size >= COMPRESS_FROM and coding is not None:
+        response.enable_compression(coding)
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -408,13 +434,7 @@ class Handlers:
         name = request.match_info["model"]
         try:
             body = await self._small_json(request)
-            params = body.get("parameters")
-            if params:
-                raise RequestError(
-                    ErrorCode.NOT_IMPLEMENTED,
-                    f"{action} parameters ({', '.join(sorted(map(str, params))[:5])}) are not "
-                    "supported by this server: it loads the model file as it is",
-                )
+            check_parameters(action, body.get("parameters"))
             await (self.front.load(name) if action == "load" else self.front.unload(name))
         except Exception as e:
             return _error(_classify(e))

@@ -24,6 +24,31 @@ from mcp_edge.shared.protocol.wire import ErrorCode
 log = logging.getLogger("mcp.agent.model_control")
 
 
+def check_parameters(action: str, params: Any) -> None:
+    """Refuse the ``parameters`` of a load or unload request that this server cannot honour.
+
+    ``params``: the request's parameters by name (JSON values; None or empty: none). Loading
+    takes no parameters (Triton's ``config`` and ``file:`` overrides are not offered: the model
+    file loads as it is). Unloading accepts ``unload_dependents``, which ``tritonclient`` sends
+    with every unload: no model here has dependents, so it changes nothing. Raises
+    :class:`RequestError`: bad_request for parameters that are not an object or a
+    non-boolean ``unload_dependents``, not_implemented for any other parameter.
+    """
+    if params is None:
+        return
+    if type(params) is not dict:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{action} parameters must be an object")
+    others = sorted(str(k) for k in params if not (action == "unload" and k == "unload_dependents"))
+    if others:
+        raise RequestError(
+            ErrorCode.NOT_IMPLEMENTED,
+            f"{action} parameters ({', '.join(others[:5])}) are not supported by this server: "
+            "it loads the model file as it is",
+        )
+    if type(params.get("unload_dependents", False)) is not bool:
+        raise RequestError(ErrorCode.BAD_REQUEST, "unload_dependents must be true or false")
+
+
 class ModelControl:
     """Index, load and unload for one server (see the module docstring)."""
 

@@ -26,7 +26,12 @@ import numpy as np
 
 from mcp_edge.agent.runtime.batcher import Priority
 from mcp_edge.agent.runtime.runner import Array, InputError, TensorSpec
-from mcp_edge.agent.serving.binary_tensors import array_from_raw, element_count, raw_size
+from mcp_edge.agent.serving.binary_tensors import (
+    array_from_raw,
+    bytes_as_text,
+    element_count,
+    raw_size,
+)
 from mcp_edge.agent.serving.requests import MAX_TIMEOUT_S, RequestError
 from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.protocol.wire import Datatype, ErrorCode
@@ -228,7 +233,8 @@ def decode_binary_request(obj: Any, binary: memoryview, specs: tuple[TensorSpec,
                 f"input {name!r}: {dt.value} {shape} takes {fixed} bytes, "
                 f"binary_data_size says {size}"
             )
-        feeds[name] = array_from_raw(name, dt, shape, binary[offset : offset + size])
+        arr = array_from_raw(name, dt, shape, binary[offset : offset + size])
+        feeds[name] = bytes_as_text(name, arr) if dt is Datatype.BYTES else arr
         offset += size
     if offset != len(binary):
         raise MessageError(

@@ -84,6 +84,13 @@ def decode_feeds(obj: Any, specs: tuple[TensorSpec, ...]) -> Call:
             return _call(Call, (fast[0], fast[1], None, False, None, None))
         binary, priority, timeout_s = request_parameters(params)
         return Call(fast[0], fast[1], None, binary, priority, timeout_s)
+    # Before the schema: an input in shared memory has no data, which the schema would refuse
+    # with a message about the missing data instead of the feature not offered.
+    inputs = obj.get("inputs") if type(obj) is dict else None
+    for t in inputs if type(inputs) is list else ():
+        tparams = t.get("parameters") if type(t) is dict else None
+        if type(tparams) is dict and "shared_memory_region" in tparams:
+            raise not_implemented(f"input {str(t.get('name'))[:256]!r}: shared memory")
     # The message models load pydantic (about 10 MiB): only a body off the fast path pays.
     from mcp_edge.shared.protocol.codec import validate
     from mcp_edge.shared.protocol.inference import InferRequest
@@ -91,10 +98,6 @@ def decode_feeds(obj: Any, specs: tuple[TensorSpec, ...]) -> Call:
     req = validate(obj, InferRequest)
     feeds = tensors_to_feeds(req.inputs, specs)
     binary, priority, timeout_s = request_parameters(req.parameters)
-    for t in obj["inputs"]:
-        tparams = t.get("parameters")
-        if type(tparams) is dict and "shared_memory_region" in tparams:
-            raise not_implemented(f"input {t['name']!r}: shared memory")
     wanted = output_requests(obj.get("outputs"))
     return Call(req.id, feeds, wanted or None, binary, priority, timeout_s)
 
