@@ -242,9 +242,10 @@ _GAUGE_MODES = {
 def merge_families(groups: Sequence[Iterable[Any]], *, processes: int) -> bytes:
     """One text exposition from the metric families of several serving processes.
 
-    Counters, histograms and summaries add up sample by sample; gauges add up too except
-    those that state one fact for the whole server (``_GAUGE_MODES``: max, min or mean).
-    ``mcp_agent_serving_processes`` is set to ``processes``.
+    Counters, histograms and summaries add up sample by sample (their ``_created`` time is the
+    earliest); gauges add up too except those that state one fact for the whole server
+    (``_GAUGE_MODES``: max, min or mean). ``mcp_agent_serving_processes`` is set to
+    ``processes``.
     """
     merged: dict[str, Any] = {}
     values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], tuple[Any, list[float]]]] = {}
@@ -268,6 +269,9 @@ def merge_families(groups: Sequence[Iterable[Any]], *, processes: int) -> bytes:
         for first, vals in values[name].values():
             if name == "mcp_agent_serving_processes":
                 value = float(processes)
+            elif first.name.endswith("_created"):
+                # A counter's or histogram's creation time: the earliest, never a sum.
+                value = min(vals)
             elif mode == "max":
                 value = max(vals)
             elif mode == "min":

@@ -2,15 +2,16 @@
 
 Started by the primary (:mod:`.workers`) with one end of a socket pair as file descriptor N.
 The primary's first call (``init``) gives it the server's configuration and ports; it builds
-its own model manager (its own instances of every model), binds the HTTP (and gRPC) port with
-SO_REUSEPORT beside the primary, and from then on does what the primary asks: ``prepare`` a
-version (load, warm, check), ``commit`` it to a role, ``abort`` or ``unload`` one, apply a
-``canary_policy``, report its ``statistics`` and ``metrics``, ``stop``. Its own requests for
-the whole server's statistics and metrics, and for model control, go to the primary. The runs
-it counts and a bounded sample of the requests it answered (for drift) are sent to the
-primary twice a second. It exits when the primary says stop, on SIGTERM (after draining), or
-as soon as the primary is gone; SIGINT (Ctrl-C reaches the whole process group) is left to
-the primary, which stops every worker in order.
+its own model manager (its own instances of every model), and from then on does what the
+primary asks: ``prepare`` a version (load, warm, check), ``commit`` it to a role, ``listen``
+(bind the HTTP and gRPC ports with SO_REUSEPORT beside the primary, once it holds every loaded
+version), ``abort`` or ``unload`` one, apply a ``canary_policy``, report its ``statistics``
+and ``metrics``, ``stop``. Its own requests for the whole server's statistics and metrics,
+and for model control, go to the primary. The runs it counts and a bounded sample of the
+requests it answered (for drift) are sent to the primary twice a second. It exits when the
+primary says stop, on SIGTERM (after draining), or as soon as the primary is gone; SIGINT
+(Ctrl-C reaches the whole process group) is left to the primary, which stops every worker in
+order.
 """
 
 from __future__ import annotations
@@ -162,6 +163,9 @@ class Worker:
             with contextlib.suppress(ModelNotFoundError):
                 await manager.unload(name, version)
             return None
+        if op == "listen":
+            await self._listen()
+            return None
         if op == "canary_policy":
             name, policy = payload
             manager.set_canary_policy(name, policy)
@@ -199,6 +203,14 @@ class Worker:
                                handle_signals=False)  # fmt: skip
         await runner.setup()
         self.runner = runner
+        return os.getpid()
+
+    async def _listen(self) -> None:
+        """Bind the ports beside the primary: called once every loaded version is in step, so
+        that no request reaches a worker that does not serve the models yet."""
+        settings, runner, front = self.settings, self.runner, self.front
+        assert settings is not None and runner is not None and front is not None
+        config = settings.config
         site = web.TCPSite(runner, config.host, settings.http_port, reuse_address=True,
                            reuse_port=True)  # fmt: skip
         await site.start()
@@ -208,7 +220,6 @@ class Worker:
             self.grpc = GrpcServer(front, config.host, settings.grpc_port,
                                    max_message=config.max_body)  # fmt: skip
             await self.grpc.start()
-        return os.getpid()
 
     async def flush(self) -> None:
         """Send what the worker counted to the primary, twice a second."""

@@ -158,6 +158,9 @@ class ReplicaGroup:
                 source = lv.source
                 await w.channel.call("prepare", source, timeout_s=600.0)
                 await w.channel.call("commit", (source, role, policy))
+            # Only now does it bind the ports: a request never reaches a worker that is still
+            # loading what the others serve.
+            await w.channel.call("listen", None)
             w.ready = True
         log.info("serving process %d (pid %d) is serving", w.index, w.proc.pid)
 
