@@ -119,6 +119,8 @@ class ModelControl:
                 await self.manager.load(source)
             except (McpError, OSError) as e:
                 raise RequestError(ErrorCode.BAD_REQUEST, f"failed to load {name!r}: {e}") from None
+            finally:
+                directory.prune(self.manager)
             directory.claim(path, name)
             log.info("loaded %s %s on request (%s)", name, source.version, path.name)
             return
@@ -132,4 +134,6 @@ class ModelControl:
         if name not in self.manager.loaded_names:
             raise RequestError(ErrorCode.NOT_FOUND, f"model {name!r} is not loaded")
         await self.manager.unload(name)
+        if self.directory is not None:
+            self.directory.prune(self.manager)
         log.info("unloaded %s on request", name)

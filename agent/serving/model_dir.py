@@ -3,7 +3,9 @@
 ``--model-path`` is one model file or a directory of them (``.onnx``, ``.tflite``, ``.mcpb``;
 other files are ignored). A model's name is its file's stem (``digits.onnx`` → ``digits``)
 unless its bundle names it. Plain files get versions ``1``, ``2``, … in the order they are
-loaded; a bundle brings its own version. A bundle is verified and unpacked into the state
+loaded, and each version is a copy of the file as it was then (under the state directory), so
+a file replaced or rewritten later never changes a version already loaded, and every serving
+process (``--processes``) loads the same bytes for it; a bundle brings its own version. A bundle is verified and unpacked into the state
 directory (its publisher signature is required when trusted keys are configured), and the
 variant that fits this device's profile is loaded.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -128,6 +131,8 @@ class ModelDirectory:
         self.profile = profile
         self.trusted_keys = list(trusted_keys)
         self.bundle_dir = state_dir / "bundles"
+        self.copies_dir = self.bundle_dir / "files"
+        self._copies: dict[tuple[str, str], Path] = {}
         self._counters: dict[str, int] = {}
         self._names: dict[Path, str] = {}
 
@@ -156,7 +161,26 @@ class ModelDirectory:
         name = path.stem
         version = self._counters.get(name, 0) + 1
         self._counters[name] = version
-        return ModelSource(name=name, version=str(version), model_path=path, origin=path)
+        copy = self._copy(path, name, str(version))
+        return ModelSource(name=name, version=str(version), model_path=copy, origin=path)
+
+    def _copy(self, path: Path, name: str, version: str) -> Path:
+        """Version ``version`` of ``name``: a copy of ``path`` as it is now."""
+        self.copies_dir.mkdir(parents=True, exist_ok=True)
+        dest = self.copies_dir / f"{name}-{version}{path.suffix.lower()}"
+        tmp = dest.with_name(dest.name + ".tmp")
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, dest)
+        self._copies[name, version] = dest
+        return dest
+
+    def prune(self, manager: ModelManager) -> None:
+        """Delete the copies of versions that are no longer loaded (nor draining)."""
+        for (n, version), copy in list(self._copies.items()):
+            if manager.find(n, version) is None:
+                with contextlib.suppress(OSError):
+                    copy.unlink()
+                del self._copies[n, version]
 
     def _bundle_source(self, path: Path) -> ModelSource:
         from mcp_edge.shared.bundle import open_bundle  # only when a bundle is served
@@ -197,6 +221,7 @@ class ModelDirectory:
                 continue
             self._names[path] = source.name
             loaded[path] = mf
+        self.prune(manager)
         if not loaded:
             raise ModelDirectoryError(
                 f"{self.model_path}: no model could be loaded (see errors above)"
@@ -215,6 +240,8 @@ class ModelDirectory:
         except (McpError, OSError) as e:
             log.error("%s: reload failed, previous version keeps serving: %s", path.name, e)
             return False
+        finally:
+            self.prune(manager)
         self._names[path] = source.name
         return True
 
@@ -224,6 +251,7 @@ class ModelDirectory:
             log.info("%s removed: unloading %s", path.name, name)
             with contextlib.suppress(RunnerError):
                 await manager.unload(name)
+            self.prune(manager)
 
 
 class ModelDirectoryWatcher:

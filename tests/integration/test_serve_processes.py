@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -464,6 +465,34 @@ def test_a_killed_worker_is_started_again_in_step_and_no_request_sees_it_loading
         assert WORKER in server.served_by(after).values()
         metrics = _metrics(server.request("GET", "/metrics").body)
         assert metrics[("mcp_agent_serving_processes", ())] == 2.0
+
+
+def test_a_version_is_the_file_as_it_was_loaded_even_in_a_worker_started_later(
+    digits: DigitsModels, next_model: Path, tmp_path: Path
+) -> None:
+    """With explicit model control nothing reloads a rewritten file: a worker started again
+    after the file changed must still serve version 1 as it was loaded, like the primary."""
+    models = tmp_path / "models"
+    models.mkdir()
+    target = models / "digits.onnx"
+    shutil.copyfile(digits.onnx_path, target)
+    first = _reference(digits.onnx_path)
+    with _serving(tmp_path, "--model-path", str(models), "--model-control", "explicit") as server:
+        target.write_bytes(next_model.read_bytes())  # rewritten in place, not reloaded
+        [worker] = server.workers()
+        old_pid = worker.pid
+        os.kill(old_pid, signal.SIGKILL)
+        restarted = re.compile(r"serving process 1 \(pid (\d+)\) is serving")
+        wait_until(
+            lambda: any(int(p) != old_pid for p in restarted.findall(server.log_text())),
+            "the worker started again",
+            timeout_s=90,
+        )
+        answers = [server.infer(row) for row in digits.X_test[: MANY * 2]]
+        for row, answer in zip(digits.X_test, answers, strict=False):
+            assert (answer.status, answer.body["model_version"]) == (200, "1")
+            np.testing.assert_allclose(_probabilities(answer), first(row), atol=1e-5)
+        assert WORKER in server.served_by(answers).values()
 
 
 # ---------------------------------------------------------------------------- stopping
