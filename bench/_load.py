@@ -3,8 +3,9 @@
 Run as a script it is one of two processes::
 
     python bench/_load.py client --port P --path /v2/models/m/infer --body-file F \
-        --concurrency 64 --warmup-s 1 --duration-s 5 [--max-requests N] [--server-pid PID]
-    python bench/_load.py null-server --port P
+        --concurrency 64 --warmup-s 1 --duration-s 5 [--max-requests N] [--server-pid PID ...] \
+        [--header 'Name: value' ...]
+    python bench/_load.py null-server --port P [--reuse-port]
 
 The client is a raw asyncio protocol on uvloop: one keep-alive TCP connection (TCP_NODELAY)
 per unit of concurrency, each sending the same pre-encoded request bytes again as soon as its
@@ -15,7 +16,11 @@ It prints one JSON object: latency percentiles (µs), requests/s, status counts,
 seconds the client, the server (``--server-pid``) and everything else used in the window.
 
 The null server is the floor for the stack: aiohttp on uvloop (as the agent), the same route,
-body read and orjson parse, and a fixed Open-Inference-Protocol-shaped answer, no model.
+body read and orjson parse, and a fixed Open-Inference-Protocol-shaped answer, no model. A
+request of the binary tensor extension (header ``Inference-Header-Content-Length``) has its
+body read and only its JSON header parsed, and gets a fixed binary-shaped answer (JSON header
+and 40 raw bytes). It prints ``READY`` once it listens; with ``--reuse-port`` several copies
+share one port (SO_REUSEPORT), as ``mcp-agent serve --processes N`` does.
 
 Every loop is bounded by a request count and a deadline; all traffic stays on 127.0.0.1.
 """
@@ -54,20 +59,38 @@ def free_port() -> int:
 
 
 def http_request(
-    port: int, path: str, body: bytes | None = None, timeout_s: float = 5.0
+    port: int,
+    path: str,
+    body: bytes | None = None,
+    timeout_s: float = 5.0,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, bytes]:
     """One request with urllib (setup and checks only, never timed)."""
+    status, _, raw = http_request_headers(port, path, body, timeout_s, headers)
+    return status, raw
+
+
+def http_request_headers(
+    port: int,
+    path: str,
+    body: bytes | None = None,
+    timeout_s: float = 5.0,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    """:func:`http_request`, with the answer's headers."""
+    sent = {"Content-Type": "application/json"} if body is not None else {}
+    sent.update(headers or {})
     req = urllib.request.Request(
         f"http://{HOST}:{port}{path}",
         data=body,
         method="POST" if body is not None else "GET",
-        headers={"Content-Type": "application/json"} if body is not None else {},
+        headers=sent,
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return int(resp.status), resp.read()
+            return int(resp.status), dict(resp.headers.items()), resp.read()
     except urllib.error.HTTPError as e:
-        return int(e.code), e.read()
+        return int(e.code), dict(e.headers.items()), e.read()
 
 
 def wait_ready(proc: subprocess.Popen[bytes], port: int, path: str, timeout_s: float) -> float:
@@ -111,9 +134,14 @@ def run_client(
     warmup_s: float,
     duration_s: float,
     max_requests: int,
-    server_pid: int | None,
+    server_pid: int | list[int] | None,
+    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run the client in its own process and return its JSON report."""
+    """Run the client in its own process and return its JSON report.
+
+    ``server_pid``: the server's process (or processes; their children are counted too);
+    ``headers``: sent with every request (``Content-Type`` replaces application/json).
+    """
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -133,8 +161,11 @@ def run_client(
         "--max-requests",
         str(max_requests),
     ]
-    if server_pid is not None:
-        cmd += ["--server-pid", str(server_pid)]
+    pids = [server_pid] if isinstance(server_pid, int) else list(server_pid or [])
+    for pid in pids:
+        cmd += ["--server-pid", str(pid)]
+    for k, v in (headers or {}).items():
+        cmd += ["--header", f"{k}: {v}"]
     limit = warmup_s + duration_s + _CONNECT_TIMEOUT_S + _DRAIN_TIMEOUT_S + 30
     done = subprocess.run(cmd, capture_output=True, timeout=limit, check=False)
     if done.returncode != 0:
@@ -155,7 +186,7 @@ def _percentile(sorted_ns: list[int], q: float) -> float:
 class _Run:
     """Shared state of one client run; connections report completions here."""
 
-    def __init__(self, request: bytes, max_requests: int, server_pid: int | None) -> None:
+    def __init__(self, request: bytes, max_requests: int, server_pids: list[int]) -> None:
         self.request = request
         self.max_requests = max_requests
         self.measuring = False
@@ -169,10 +200,19 @@ class _Run:
         self.finished: asyncio.Future[None] | None = None
         self.t_start = self.t_end = 0
         self._server = None
-        if server_pid is not None:
+        self._servers: list[Any] = []
+        if server_pids:
             import psutil
 
-            self._server = psutil.Process(server_pid)
+            self._server = psutil.Process(server_pids[0])
+            # Every serving process: the ones named and their children (worker processes).
+            found: dict[int, Any] = {}
+            for pid in server_pids:
+                p = psutil.Process(pid)
+                found[p.pid] = p
+                for c in p.children(recursive=True):
+                    found[c.pid] = c
+            self._servers = list(found.values())
         self.cpu_start: dict[str, float] = {}
         self.cpu: dict[str, float] = {}
 
@@ -188,8 +228,13 @@ class _Run:
             "steal_s": getattr(total, "steal", 0.0),
         }
         if self._server is not None:
-            t = self._server.cpu_times()
-            sample["server_s"] = t.user + t.system
+            import psutil
+
+            sample["server_s"] = 0.0
+            for p in self._servers:
+                with contextlib.suppress(psutil.Error):
+                    t = p.cpu_times()
+                    sample["server_s"] += t.user + t.system
             # The event loop runs on the main thread (thread id == pid); the rest is worker
             # and backend threads (executor, onnxruntime's intra-op pool).
             main = [x for x in self._server.threads() if x.id == self._server.pid]
@@ -285,9 +330,13 @@ class _Conn(asyncio.Protocol):
 
 async def _client_main(args: argparse.Namespace) -> dict[str, Any]:
     body = Path(args.body_file).read_bytes()
+    extra = dict(h.split(":", 1) for h in args.header)
+    extra = {k.strip(): v.strip() for k, v in extra.items()}
+    content_type = extra.pop("Content-Type", "application/json")
+    lines = "".join(f"{k}: {v}\r\n" for k, v in extra.items())
     head = (
         f"POST {args.path} HTTP/1.1\r\nHost: {HOST}:{args.port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n{lines}\r\n"
     ).encode()
     run = _Run(head + body, args.max_requests, args.server_pid)
     loop = asyncio.get_running_loop()
@@ -369,16 +418,42 @@ _NULL_ANSWER = json.dumps(
         ],
     }
 ).encode()
+_NULL_BINARY_HEAD = json.dumps(
+    {
+        "model_name": "null",
+        "model_version": "1",
+        "outputs": [
+            {
+                "name": "probabilities",
+                "datatype": "FP32",
+                "shape": [1, 10],
+                "parameters": {"binary_data_size": 40},
+            }
+        ],
+    }
+).encode()
+_NULL_BINARY_ANSWER = _NULL_BINARY_HEAD + bytes(40)
+HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
-async def _null_main(port: int) -> None:
+async def _null_main(port: int, reuse_port: bool) -> None:
     import orjson
     from aiohttp import web
 
+    binary_headers = {HEADER_LENGTH: str(len(_NULL_BINARY_HEAD))}
+
     async def infer(request: web.Request) -> web.Response:
         body = await request.read()
-        orjson.loads(body)
-        return web.Response(body=_NULL_ANSWER, content_type="application/json")
+        head_length = request.headers.get(HEADER_LENGTH)
+        if head_length is None:
+            orjson.loads(body)
+            return web.Response(body=_NULL_ANSWER, content_type="application/json")
+        orjson.loads(memoryview(body)[: int(head_length)])
+        return web.Response(
+            body=_NULL_BINARY_ANSWER,
+            content_type="application/octet-stream",
+            headers=binary_headers,
+        )
 
     async def ready(request: web.Request) -> web.Response:
         return web.Response(body=b'{"ready": true}', content_type="application/json")
@@ -388,8 +463,9 @@ async def _null_main(port: int) -> None:
     app.router.add_get("/v2/health/ready", ready)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, HOST, port, reuse_address=True)
+    site = web.TCPSite(runner, HOST, port, reuse_address=True, reuse_port=reuse_port or None)
     await site.start()
+    print("READY", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -420,9 +496,11 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--warmup-s", type=float, default=1.0)
     c.add_argument("--duration-s", type=float, default=5.0)
     c.add_argument("--max-requests", type=int, default=10_000_000)
-    c.add_argument("--server-pid", type=int, default=None)
+    c.add_argument("--server-pid", type=int, action="append", default=[])
+    c.add_argument("--header", action="append", default=[], help="'Name: value' (repeatable)")
     s = sub.add_parser("null-server")
     s.add_argument("--port", type=int, required=True)
+    s.add_argument("--reuse-port", action="store_true", help="SO_REUSEPORT (several copies)")
     args = parser.parse_args(argv)
     loop_kind = _install_uvloop()
     if args.cmd == "client":
@@ -430,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
         report["event_loop"] = loop_kind
         print(json.dumps(report))
     else:
-        asyncio.run(_null_main(args.port))
+        asyncio.run(_null_main(args.port, args.reuse_port))
 
 
 if __name__ == "__main__":

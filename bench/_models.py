@@ -5,6 +5,9 @@
 * ``convnet``: a small conv net built with ``onnx.helper`` (``input`` [N, 1, 28, 28] FP32 ->
   Conv 3x3 x8 -> Relu -> MaxPool 2x2 -> Conv 3x3 x16 -> Relu -> GlobalAveragePool -> Flatten
   -> Gemm 16x10 -> Softmax -> ``probabilities`` [N, 10]); random weights from a fixed seed.
+* ``convnet_wide``: the same layout made compute-bound for the batching goal: seven 3x3 convs
+  (32, 64, 128, 128, 256, 256, 256 channels, 2x2 max-pools after the second and fourth), about
+  130 M multiply-adds per image, over 1 ms per batch-1 ``session.run`` on a 2-core x86 box.
 """
 
 from __future__ import annotations
@@ -48,37 +51,64 @@ def make_digits(directory: Path, seed: int = 0) -> BenchModel:
     )
 
 
-def _conv_graph(rng: np.random.Generator) -> onnx.ModelProto:
+ConvLayers = tuple[tuple[int, bool], ...]
+"""Each conv layer: (output channels, 2x2 max-pool after it)."""
+
+SMALL_CONV: ConvLayers = ((8, True), (16, False))
+WIDE_CONV: ConvLayers = (
+    (32, False),
+    (64, True),
+    (128, False),
+    (128, True),
+    (256, False),
+    (256, False),
+    (256, False),
+)
+"""About 130 M multiply-adds per image: over 1 ms at batch 1 on a 2-core x86 box."""
+
+
+def _conv_graph(
+    rng: np.random.Generator, layers: ConvLayers = SMALL_CONV, name: str = "bench_convnet"
+) -> onnx.ModelProto:
     def weight(name: str, shape: tuple[int, ...], fan_in: int) -> onnx.TensorProto:
         w = rng.normal(0.0, np.sqrt(2.0 / fan_in), size=shape).astype(np.float32)
         return numpy_helper.from_array(w, name)
 
-    inits = [
-        weight("c1_w", (8, 1, 3, 3), 9),
-        numpy_helper.from_array(np.zeros(8, np.float32), "c1_b"),
-        weight("c2_w", (16, 8, 3, 3), 72),
-        numpy_helper.from_array(np.zeros(16, np.float32), "c2_b"),
-        weight("fc_w", (16, 10), 16),
-        numpy_helper.from_array(np.zeros(10, np.float32), "fc_b"),
-    ]
-    nodes = [
-        helper.make_node(
-            "Conv", ["input", "c1_w", "c1_b"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]
-        ),
-        helper.make_node("Relu", ["c1"], ["r1"]),
-        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
-        helper.make_node(
-            "Conv", ["p1", "c2_w", "c2_b"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]
-        ),
-        helper.make_node("Relu", ["c2"], ["r2"]),
-        helper.make_node("GlobalAveragePool", ["r2"], ["gap"]),
+    inits: list[onnx.TensorProto] = []
+    nodes: list[onnx.NodeProto] = []
+    prev, cin = "input", 1
+    for i, (cout, pool) in enumerate(layers, start=1):
+        inits.append(weight(f"c{i}_w", (cout, cin, 3, 3), cin * 9))
+        inits.append(numpy_helper.from_array(np.zeros(cout, np.float32), f"c{i}_b"))
+        nodes.append(
+            helper.make_node(
+                "Conv",
+                [prev, f"c{i}_w", f"c{i}_b"],
+                [f"c{i}"],
+                kernel_shape=[3, 3],
+                pads=[1, 1, 1, 1],
+            )
+        )
+        nodes.append(helper.make_node("Relu", [f"c{i}"], [f"r{i}"]))
+        prev = f"r{i}"
+        if pool:
+            nodes.append(
+                helper.make_node("MaxPool", [prev], [f"p{i}"], kernel_shape=[2, 2], strides=[2, 2])
+            )
+            prev = f"p{i}"
+        cin = cout
+    inits.append(weight("fc_w", (cin, 10), cin))
+    inits.append(numpy_helper.from_array(np.zeros(10, np.float32), "fc_b"))
+    nodes += [
+        helper.make_node("GlobalAveragePool", [prev], ["gap"]),
         helper.make_node("Flatten", ["gap"], ["flat"], axis=1),
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits"]),
         helper.make_node("Softmax", ["logits"], ["probabilities"], axis=1),
     ]
+    # The initializers in the original order: every conv's weight and bias, then the Gemm's.
     graph = helper.make_graph(
         nodes,
-        "bench_convnet",
+        name,
         [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["N", 1, 28, 28])],
         [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["N", 10])],
         initializer=inits,
@@ -105,4 +135,22 @@ def make_convnet(directory: Path, seed: int = 0) -> BenchModel:
         input_name="input",
         sample=sample,
         description="conv3x3x8-relu-maxpool-conv3x3x16-relu-gap-gemm10-softmax, 28x28x1 input",
+    )
+
+
+def make_wide_convnet(directory: Path, seed: int = 0) -> BenchModel:
+    """Write ``convnet_wide.onnx``: the conv net of :func:`make_convnet` made compute-bound
+    (seven 3x3 convs, 32 to 256 channels, :data:`WIDE_CONV`), for the batching goal."""
+    rng = np.random.default_rng(seed)
+    model = _conv_graph(rng, WIDE_CONV, "bench_convnet_wide")
+    path = Path(directory) / "convnet_wide.onnx"
+    onnx.save(model, str(path))
+    sample = np.round(rng.random((1, 1, 28, 28)), 4).astype(np.float32)
+    return BenchModel(
+        name="convnet_wide",
+        path=path,
+        input_name="input",
+        sample=sample,
+        description="conv3x3 x32, x64-maxpool, x128, x128-maxpool, x256, x256, x256 (relu "
+        "after each) -gap-gemm10-softmax, 28x28x1 input; about 130 M multiply-adds per image",
     )
