@@ -36,7 +36,7 @@ from typing import Any
 
 from mcp_edge.agent.fleet.metrics import FleetMetrics
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager
-from mcp_edge.agent.serving.oip import Call, answer_tensors
+from mcp_edge.agent.serving.oip import Call, answer_tensors, rows_of
 from mcp_edge.agent.serving.requests import (
     MQTT_PROPERTIES,
     RequestError,
@@ -238,7 +238,7 @@ class MqttInference:
                 m.errors.labels(model, err.code.value).inc()
             m.requests.labels(model, "mqtt", str(err.code.http_status)).inc()
             if lv is not None:
-                lv.statistics.on_request(False, time.perf_counter() - t0)
+                lv.statistics.on_failure(time.perf_counter() - t0)
             if not ran:
                 count_unrun(self.manager, lv, err, time.perf_counter() - t0)
             return error_body(err), err.code
@@ -247,7 +247,7 @@ class MqttInference:
         elapsed = time.perf_counter() - t0
         m.requests.labels(model, "mqtt", "200").inc()
         m.latency.labels(answered.name, answered.version).observe(elapsed)
-        answered.statistics.on_request(True, elapsed)
+        answered.statistics.on_success(elapsed, rows_of(call.feeds), 0.0, 0.0)
         return body, None
 
     def _check_reply_size(self, model: str, size: int) -> None:

@@ -96,13 +96,21 @@ class BatchingConfig:
     """Batches expected to run faster than this run on the event loop (0: never)."""
 
 
-@dataclass
 class _Pending:
-    feeds: dict[str, Array]
-    rows: int
-    key: tuple[Any, ...]
-    future: asyncio.Future[dict[str, Array]]
-    enqueued: float
+    """One queued request (a slotted class: one is made per request)."""
+
+    __slots__ = ("enqueued", "feeds", "future", "key", "rows")
+
+    def __init__(
+        self,
+        feeds: dict[str, Array],
+        rows: int,
+        key: tuple[Any, ...],
+        future: asyncio.Future[dict[str, Array]],
+        enqueued: float,
+    ) -> None:
+        self.feeds, self.rows, self.key = feeds, rows, key
+        self.future, self.enqueued = future, enqueued
 
 
 @dataclass
@@ -230,14 +238,15 @@ class DynamicBatcher:
         future: asyncio.Future[dict[str, Array]] = loop.create_future()
         self._queues[priority].append(_Pending(feeds, rows, key, future, time.perf_counter()))
         self._queued += 1
-        self._notify_depth()
         if inline:
             # Run at the end of this loop iteration, so the requests parsed in the same
-            # iteration (a burst at high concurrency) share one backend call.
+            # iteration (a burst at high concurrency) share one backend call. (The queue
+            # depth is reported when the batch is taken, within this iteration.)
             if not self._pump_soon:
                 self._pump_soon = True
                 loop.call_soon(self._deferred_pump)
             return future
+        self._notify_depth()
         self._pump()
         if not future.done():
             timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
@@ -313,6 +322,11 @@ class DynamicBatcher:
     def _batch_key(self, feeds: dict[str, Array]) -> tuple[int, tuple[Any, ...]]:
         if not self._batchable:
             return 1, ()
+        if len(feeds) == 1:  # most models: one input, no sorting or loop
+            for name, arr in feeds.items():
+                if arr.ndim == 0:
+                    raise InputError(f"input {name!r} must have a batch dimension")
+                return int(arr.shape[0]), ((name, arr.shape[1:], arr.dtype.str),)
         rows = -1
         key: list[Any] = []
         for name in sorted(feeds):

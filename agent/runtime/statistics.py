@@ -23,24 +23,22 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-_DURATIONS = (
-    "success",
-    "fail",
-    "queue",
-    "compute_input",
-    "compute_infer",
-    "compute_output",
-    "cache_hit",
-    "cache_miss",
-)
-
 
 class VersionStatistics:
-    """Counters of one model version (see the module docstring)."""
+    """Counters of one model version (see the module docstring).
+
+    Durations are kept as float seconds on the hot path and written as integer nanoseconds
+    by :meth:`to_json`.
+    """
 
     __slots__ = (
         "_batches",
-        "_d",
+        "_compute_infer",
+        "_compute_input",
+        "_compute_output",
+        "_fail",
+        "_queue",
+        "_success",
         "execution_count",
         "inference_count",
         "last_inference_ms",
@@ -50,63 +48,82 @@ class VersionStatistics:
         self.last_inference_ms = 0
         self.inference_count = 0
         self.execution_count = 0
-        # name -> [count, ns]
-        self._d: dict[str, list[int]] = {k: [0, 0] for k in _DURATIONS}
-        # batch size -> [count, run ns]
-        self._batches: dict[int, list[int]] = {}
+        # [count, seconds] each
+        self._success = [0, 0.0]
+        self._fail = [0, 0.0]
+        self._queue = [0, 0.0]
+        self._compute_input = [0, 0.0]
+        self._compute_infer = [0, 0.0]
+        self._compute_output = [0, 0.0]
+        # batch size -> [runs, seconds]
+        self._batches: dict[int, list[float]] = {}
 
     def on_batch(self, rows: int, requests: int, queue_total_s: float, run_s: float) -> None:
         """One backend run of ``rows`` rows for ``requests`` requests that waited
         ``queue_total_s`` seconds in all."""
-        run_ns = int(run_s * 1e9)
         self.execution_count += 1
-        d = self._d
-        q = d["queue"]
+        q = self._queue
         q[0] += requests
-        q[1] += int(queue_total_s * 1e9)
-        c = d["compute_infer"]
+        q[1] += queue_total_s
+        c = self._compute_infer
         c[0] += requests
-        c[1] += run_ns * requests
+        c[1] += run_s * requests
         b = self._batches.get(rows)
         if b is None:
-            b = self._batches[rows] = [0, 0]
+            b = self._batches[rows] = [0, 0.0]
         b[0] += 1
-        b[1] += run_ns
+        b[1] += run_s
 
-    def on_request(
-        self, ok: bool, total_s: float, rows: int = 1, input_s: float = 0.0, output_s: float = 0.0
-    ) -> None:
-        """One client request that reached this version: answered (``ok``) or failed after
-        ``total_s`` seconds; ``input_s``/``output_s``: its decoding and encoding time."""
-        d = self._d
-        entry = d["success"] if ok else d["fail"]
-        entry[0] += 1
-        entry[1] += int(total_s * 1e9)
-        if ok:
-            self.inference_count += rows
-            self.last_inference_ms = int(time.time() * 1000)
-            ci = d["compute_input"]
-            ci[0] += 1
-            ci[1] += int(input_s * 1e9)
-            co = d["compute_output"]
-            co[0] += 1
-            co[1] += int(output_s * 1e9)
+    def on_success(self, total_s: float, rows: int, input_s: float, output_s: float) -> None:
+        """One client request answered by this version after ``total_s`` seconds, ``rows``
+        rows; ``input_s``/``output_s``: its decoding and encoding time."""
+        s = self._success
+        s[0] += 1
+        s[1] += total_s
+        self.inference_count += rows
+        self.last_inference_ms = int(time.time() * 1000)
+        ci = self._compute_input
+        ci[0] += 1
+        ci[1] += input_s
+        co = self._compute_output
+        co[0] += 1
+        co[1] += output_s
+
+    def on_failure(self, total_s: float) -> None:
+        """One client request that reached this version and failed after ``total_s``."""
+        f = self._fail
+        f[0] += 1
+        f[1] += total_s
 
     def to_json(self, name: str, version: str) -> dict[str, Any]:
         """Triton's ``model_stats`` entry for this version."""
+        durations = {
+            "success": self._success,
+            "fail": self._fail,
+            "queue": self._queue,
+            "compute_input": self._compute_input,
+            "compute_infer": self._compute_infer,
+            "compute_output": self._compute_output,
+            "cache_hit": (0, 0.0),
+            "cache_miss": (0, 0.0),
+        }
         return {
             "name": name,
             "version": version,
             "last_inference": self.last_inference_ms,
             "inference_count": self.inference_count,
             "execution_count": self.execution_count,
-            "inference_stats": {k: {"count": c, "ns": ns} for k, (c, ns) in self._d.items()},
+            "inference_stats": {k: _duration(c, s) for k, (c, s) in durations.items()},
             "batch_stats": [
-                {"batch_size": size, "compute_infer": {"count": c, "ns": ns}}
-                for size, (c, ns) in sorted(self._batches.items())
+                {"batch_size": size, "compute_infer": _duration(c, s)}
+                for size, (c, s) in sorted(self._batches.items())
             ],
             "memory_usage": [],
         }
+
+
+def _duration(count: float, seconds: float) -> dict[str, int]:
+    return {"count": int(count), "ns": int(seconds * 1e9)}
 
 
 def merge_model_stats(groups: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -49,6 +49,7 @@ from mcp_edge.agent.serving.oip import (
     check_input,
     not_implemented,
     request_parameters,
+    rows_of,
 )
 from mcp_edge.agent.serving.requests import (
     OptionNames,
@@ -418,9 +419,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
             m.active.dec()
             self._active -= 1
         elapsed = self._succeeded(answered, t0)
-        rows = next(iter(call.feeds.values())).shape
-        answered.statistics.on_request(
-            True, elapsed, int(rows[0]) if rows else 1, t_in - t0, time.perf_counter() - t_out
+        answered.statistics.on_success(
+            elapsed, rows_of(call.feeds), t_in - t0, time.perf_counter() - t_out
         )
         return response
 
@@ -430,7 +430,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         err = classify(e)
         elapsed = time.perf_counter() - started
         if lv is not None:
-            lv.statistics.on_request(False, elapsed)
+            lv.statistics.on_failure(elapsed)
             if not ran:
                 count_unrun(self.manager, lv, err, elapsed)
         label = model if model in self.manager.loaded_names else "_unknown"

@@ -35,20 +35,20 @@ and role as MQTT ones are (:mod:`.requests`), and in each version's Triton stati
 
 from __future__ import annotations
 
+import asyncio
+import gzip
+import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+import zlib
 from typing import Any
 
 import orjson
-from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
-from aiohttp.web_response import ContentCoding
 
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
-from mcp_edge.agent.serving.metrics import AgentMetrics
+from mcp_edge.agent.serving.http_server import HttpRequest, HttpResponse, HttpServer, Router
 from mcp_edge.agent.serving.model_control import check_parameters
-from mcp_edge.agent.serving.oip import Call, answer_tensors, decode_binary_request
+from mcp_edge.agent.serving.oip import Call, answer_tensors, decode_binary_request, rows_of
 from mcp_edge.agent.serving.preprocess import prepare_v1_inputs, top_k
 from mcp_edge.agent.serving.requests import (
     HTTP_HEADERS,
@@ -62,9 +62,6 @@ from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response
 from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.protocol.wire import ErrorCode, loads
 
-MANAGER = web.AppKey("manager", ModelManager)
-METRICS = web.AppKey("metrics", AgentMetrics)
-FRONT_DOOR = web.AppKey("front_door", FrontDoor)
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 HEADER_LENGTH = "Inference-Header-Content-Length"
 COMPRESS_FROM = 1024
@@ -73,16 +70,12 @@ _JSON = "application/json"
 _OCTETS = "application/octet-stream"
 
 
-def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY),
-        status=status,
-        content_type=_JSON,
-        headers=headers,
-    )
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> HttpResponse:
+    return HttpResponse(orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status, _JSON,
+                        headers)  # fmt: skip
 
 
-def _error(e: RequestError) -> web.Response:
+def _error(e: RequestError) -> HttpResponse:
     body: dict[str, Any] = {"error": str(e), "code": e.code.value}
     headers = None
     if e.retry_after_s is not None:
@@ -92,33 +85,22 @@ def _error(e: RequestError) -> web.Response:
 
 
 def _classify(e: Exception) -> RequestError:
-    # aiohttp refusing a body over client_max_size is the one failure only HTTP has.
-    if isinstance(e, web.HTTPRequestEntityTooLarge):
-        return RequestError(ErrorCode.TOO_LARGE, "request body is too large")
-    if isinstance(e, web.HTTPException):
-        return RequestError(ErrorCode.BAD_REQUEST, f"cannot read the request body: {e.reason}")
-    if isinstance(e, RequestPayloadError):  # e.g. Content-Encoding gzip on bytes that are not
-        return RequestError(ErrorCode.BAD_REQUEST, f"cannot read the request body: {e}")
     return classify(e)
 
 
-@web.middleware
-async def _route_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """aiohttp's own 404 and 405 (no such route, wrong method) in the API's error shape."""
-    try:
-        return await handler(request)
-    except web.HTTPMethodNotAllowed as e:
-        allowed = ", ".join(sorted(e.allowed_methods))
+async def _no_route(request: HttpRequest, allowed: set[str]) -> HttpResponse:
+    """Every request no route takes: 405 with ``Allow`` when another method would take the
+    path, else 404, both in the API's error shape."""
+    if allowed:
+        methods = sorted("*" if m == "*" else m for m in allowed)
+        text = ", ".join(methods)
         body = {
-            "error": f"{request.method} is not allowed on {request.path[:200]}; use {allowed}",
+            "error": f"{request.method} is not allowed on {request.path[:200]}; use {text}",
             "code": ErrorCode.BAD_REQUEST.value,
         }
-        return _json(body, 405, {"Allow": ",".join(sorted(e.allowed_methods))})
-    except web.HTTPNotFound:
-        body = {"error": f"no such route: {request.path[:200]}", "code": ErrorCode.NOT_FOUND.value}
-        return _json(body, 404)
+        return _json(body, 405, {"Allow": ",".join(methods)})
+    body = {"error": f"no such route: {request.path[:200]}", "code": ErrorCode.NOT_FOUND.value}
+    return _json(body, 404)
 
 
 def split_binary_body(body: bytes, header_length: str) -> tuple[memoryview, memoryview]:
@@ -140,7 +122,7 @@ def split_binary_body(body: bytes, header_length: str) -> tuple[memoryview, memo
     return view[:n], view[n:]
 
 
-def accepted_coding(accept_encoding: str) -> ContentCoding | None:
+def accepted_coding(accept_encoding: str) -> str | None:
     """The compression an ``Accept-Encoding`` header accepts, gzip before deflate; None when
     it accepts neither (``q=0`` refuses a coding, ``*`` stands for those not named)."""
     weights: dict[str, float] = {}
@@ -155,17 +137,30 @@ def accepted_coding(accept_encoding: str) -> ContentCoding | None:
                 except ValueError:
                     q = 0.0
         weights[name.strip()] = q
-    for coding in (ContentCoding.gzip, ContentCoding.deflate):
-        if weights.get(coding.value, weights.get("*", 0.0)) > 0:  # NaN is not > 0
+    for coding in ("gzip", "deflate"):
+        if weights.get(coding, weights.get("*", 0.0)) > 0:  # NaN is not > 0
             return coding
     return None
 
 
-def _compress_if_asked(request: web.Request, response: web.Response, size: int) -> None:
-    # Not aiohttp's own choice: it matches the names alone, so "gzip;q=0" would get gzip.
+async def compress_if_asked(request: HttpRequest, response: HttpResponse) -> None:
+    """Compress ``response`` (1 KiB and more) with the coding the request accepts, off the
+    event loop when it is large."""
+    body = response.body
+    if len(body) < COMPRESS_FROM:
+        return
+    # Not a match on the names alone: "gzip;q=0" refuses gzip.
     coding = accepted_coding(request.headers.get("Accept-Encoding", ""))
-    if size >= COMPRESS_FROM and coding is not None:
-        response.enable_compression(coding)
+    if coding is None:
+        return
+    squeeze = gzip.compress if coding == "gzip" else zlib.compress
+    if len(body) > 256 * 1024:
+        body = await asyncio.get_running_loop().run_in_executor(None, squeeze, body)
+    else:
+        body = squeeze(body)
+    response.body = body
+    response.headers = {**(response.headers or {}), "Content-Encoding": coding,
+                        "Vary": "Accept-Encoding"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- handlers
@@ -187,14 +182,14 @@ class Handlers:
     def _failed(
         self, model: str, protocol: str, e: Exception, lv: LoadedVersion | None, ran: bool,
         started: float,
-    ) -> web.Response:  # fmt: skip
+    ) -> HttpResponse:  # fmt: skip
         """The error answer; ``lv``: the version the request was routed to (None: never
         routed); ``ran``: whether it reached the version's queue (its runs are counted there)."""
         m = self.metrics
         err = _classify(e)
         elapsed = time.perf_counter() - started
         if lv is not None:
-            lv.statistics.on_request(False, elapsed)
+            lv.statistics.on_failure(elapsed)
             if not ran:
                 count_unrun(self.manager, lv, err, elapsed)
         label = self._model_label(model)
@@ -219,17 +214,13 @@ class Handlers:
         children[1].observe(elapsed)
         return elapsed
 
-    async def _body(self, request: web.Request, protocol: str) -> bytes:
-        if request.content_length is not None and request.content_length > self.max_body:
-            raise RequestError(
-                ErrorCode.TOO_LARGE,
-                f"request body too large: {request.content_length} bytes, limit {self.max_body}",
-            )
-        body = await request.read()
+    def _body(self, request: HttpRequest, protocol: str) -> bytes:
+        # The server has read the whole body within the cap (413 past it) before routing.
+        body = request.body
         self._payload[protocol].observe(len(body))
         return body
 
-    async def infer_v2(self, request: web.Request) -> web.Response:
+    async def infer_v2(self, request: HttpRequest) -> HttpResponse:
         # Straight-line on purpose: this is the hot path (see bench/local_inference.py).
         model = request.match_info["model"]
         t0 = time.perf_counter()
@@ -239,7 +230,7 @@ class Handlers:
         lv: LoadedVersion | None = None
         ran = False
         try:
-            body = await self._body(request, "v2")
+            body = self._body(request, "v2")
             headers = request.headers
             header_length = headers.get(HEADER_LENGTH)
             if header_length is None:
@@ -286,25 +277,23 @@ class Handlers:
                 answered.name, answered.version, call.request_id, tensors
             )
             if head_len is None:
-                response = web.Response(body=payload, content_type=_JSON)
+                response = HttpResponse(payload, 200, _JSON)
             else:
-                response = web.Response(
-                    body=payload, content_type=_OCTETS, headers={HEADER_LENGTH: str(head_len)}
-                )
+                response = HttpResponse(payload, 200, _OCTETS, {HEADER_LENGTH: str(head_len)})
             if len(payload) >= COMPRESS_FROM:
-                _compress_if_asked(request, response, len(payload))
+                await compress_if_asked(request, response)
         except Exception as e:
             return self._failed(model, "v2", e, lv, ran, t0)
         finally:
             active.dec()
             self._active -= 1
         elapsed = self._succeeded(answered, "v2", t0)
-        answered.statistics.on_request(
-            True, elapsed, _rows(call), t_in - t0, time.perf_counter() - t_out
+        answered.statistics.on_success(
+            elapsed, rows_of(call.feeds), t_in - t0, time.perf_counter() - t_out
         )
         return response
 
-    async def infer_v1(self, request: web.Request) -> web.Response:
+    async def infer_v1(self, request: HttpRequest) -> HttpResponse:
         names = self.manager.names()
         model = "unknown"
         t0 = time.perf_counter()
@@ -312,7 +301,7 @@ class Handlers:
         lv: LoadedVersion | None = None
         ran = False
         try:
-            body = await self._body(request, "v1")
+            body = self._body(request, "v1")
             try:
                 doc = orjson.loads(body)
             except orjson.JSONDecodeError as e:
@@ -348,24 +337,24 @@ class Handlers:
         finally:
             self.metrics.active.dec()
         elapsed = self._succeeded(answered, "v1", t0)
-        answered.statistics.on_request(True, elapsed)
+        answered.statistics.on_success(elapsed, rows_of(feeds), 0.0, 0.0)
         return response
 
     # --- metadata and health
-    async def server_metadata(self, request: web.Request) -> web.Response:
+    async def server_metadata(self, request: HttpRequest) -> HttpResponse:
         return _json(self.front.server_metadata())
 
-    async def live(self, request: web.Request) -> web.Response:
+    async def live(self, request: HttpRequest) -> HttpResponse:
         return _json({"live": True})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, request: HttpRequest) -> HttpResponse:
         ok = self.manager.ready
         return _json({"ready": ok}, 200 if ok else 503)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: HttpRequest) -> HttpResponse:
         return _json({"models": self.front.models()})
 
-    async def model_metadata(self, request: web.Request) -> web.Response:
+    async def model_metadata(self, request: HttpRequest) -> HttpResponse:
         try:
             doc = self.front.model_metadata(
                 request.match_info["model"], request.match_info.get("version")
@@ -374,7 +363,7 @@ class Handlers:
             return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
         return _json(doc)
 
-    async def model_ready(self, request: web.Request) -> web.Response:
+    async def model_ready(self, request: HttpRequest) -> HttpResponse:
         model = request.match_info["model"]
         try:
             lv = self.manager.get(model, request.match_info.get("version"))
@@ -382,7 +371,7 @@ class Handlers:
             return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
         return _json({"name": lv.name, "version": lv.version, "ready": True})
 
-    async def model_config(self, request: web.Request) -> web.Response:
+    async def model_config(self, request: HttpRequest) -> HttpResponse:
         try:
             doc = self.front.model_config(
                 request.match_info["model"], request.match_info.get("version")
@@ -391,7 +380,7 @@ class Handlers:
             return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
         return _json(doc)
 
-    async def statistics(self, request: web.Request) -> web.Response:
+    async def statistics(self, request: HttpRequest) -> HttpResponse:
         try:
             doc = await self.front.statistics(
                 request.match_info.get("model"), request.match_info.get("version")
@@ -400,11 +389,9 @@ class Handlers:
             return _error(RequestError(ErrorCode.NOT_FOUND, str(e)))
         return _json(doc)
 
-    async def _small_json(self, request: web.Request) -> dict[str, Any]:
+    async def _small_json(self, request: HttpRequest) -> dict[str, Any]:
         """An optional JSON object body of a control request (at most 64 KiB)."""
-        if request.content_length is not None and request.content_length > 65536:
-            raise RequestError(ErrorCode.TOO_LARGE, "control request body over 64 KiB")
-        raw = await request.content.read(65537)
+        raw = request.body
         if len(raw) > 65536:
             raise RequestError(ErrorCode.TOO_LARGE, "control request body over 64 KiB")
         if not raw.strip():
@@ -414,7 +401,7 @@ class Handlers:
             raise RequestError(ErrorCode.BAD_REQUEST, "the body must be a JSON object")
         return obj
 
-    async def repository_index(self, request: web.Request) -> web.Response:
+    async def repository_index(self, request: HttpRequest) -> HttpResponse:
         try:
             body = await self._small_json(request)
             ready = body.get("ready", False)
@@ -424,13 +411,13 @@ class Handlers:
         except Exception as e:
             return _error(_classify(e))
 
-    async def repository_load(self, request: web.Request) -> web.Response:
+    async def repository_load(self, request: HttpRequest) -> HttpResponse:
         return await self._control(request, "load")
 
-    async def repository_unload(self, request: web.Request) -> web.Response:
+    async def repository_unload(self, request: HttpRequest) -> HttpResponse:
         return await self._control(request, "unload")
 
-    async def _control(self, request: web.Request, action: str) -> web.Response:
+    async def _control(self, request: HttpRequest, action: str) -> HttpResponse:
         name = request.match_info["model"]
         try:
             body = await self._small_json(request)
@@ -440,7 +427,7 @@ class Handlers:
             return _error(_classify(e))
         return _json({})
 
-    async def not_offered(self, request: web.Request) -> web.Response:
+    async def not_offered(self, request: HttpRequest) -> HttpResponse:
         path = request.path
         if "systemsharedmemory" in path:
             what = "system shared memory"
@@ -457,61 +444,56 @@ class Handlers:
             )
         )
 
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=await self.front.metrics_text(),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    async def metrics_endpoint(self, request: HttpRequest) -> HttpResponse:
+        return HttpResponse(
+            await self.front.metrics_text(), 200, "text/plain; version=0.0.4; charset=utf-8"
         )
 
 
-def _rows(call: Call) -> int:
-    for arr in call.feeds.values():
-        return int(arr.shape[0]) if arr.ndim else 1
-    return 1
+def build_router(handlers: Handlers) -> Router:
+    """Every route of the API to its handler."""
+    h = handlers
+    r = Router()
+    r.add("POST", "/v2/models/{model}/infer", h.infer_v2)
+    r.add("POST", "/v2/models/{model}/versions/{version}/infer", h.infer_v2)
+    r.add("POST", "/v1/infer", h.infer_v1)
+    r.add("GET", "/v2", h.server_metadata)
+    r.add("GET", "/v2/health/live", h.live)
+    r.add("GET", "/v2/health/ready", h.ready)
+    r.add("GET", "/v2/models", h.models)
+    r.add("GET", "/v2/models/stats", h.statistics)
+    r.add("GET", "/v2/models/{model}", h.model_metadata)
+    r.add("GET", "/v2/models/{model}/versions/{version}", h.model_metadata)
+    r.add("GET", "/v2/models/{model}/ready", h.model_ready)
+    r.add("GET", "/v2/models/{model}/versions/{version}/ready", h.model_ready)
+    r.add("GET", "/v2/models/{model}/config", h.model_config)
+    r.add("GET", "/v2/models/{model}/versions/{version}/config", h.model_config)
+    r.add("GET", "/v2/models/{model}/stats", h.statistics)
+    r.add("GET", "/v2/models/{model}/versions/{version}/stats", h.statistics)
+    r.add("POST", "/v2/repository/index", h.repository_index)
+    r.add("POST", "/v2/repository/models/{model}/load", h.repository_load)
+    r.add("POST", "/v2/repository/models/{model}/unload", h.repository_unload)
+    for prefix in ("/v2/systemsharedmemory", "/v2/cudasharedmemory"):
+        r.add("*", prefix + "/{tail*}", h.not_offered)
+    r.add("*", "/v2/trace/setting", h.not_offered)
+    r.add("*", "/v2/models/{model}/trace/setting", h.not_offered)
+    r.add("*", "/v2/logging", h.not_offered)
+    r.add("GET", "/healthz", h.live)
+    r.add("GET", "/readyz", h.ready)
+    r.add("GET", "/metrics", h.metrics_endpoint)
+    return r
 
 
-def build_app(
+def build_server(
     manager: ModelManager,
     *,
     max_body: int = DEFAULT_MAX_BODY,
     front: FrontDoor | None = None,
-) -> web.Application:
-    """The aiohttp application serving ``manager``'s models (``front``: what answers the
-    protocol's other calls; by default one with no model control and no other processes)."""
+    access_log: logging.Logger | None = None,
+) -> HttpServer:
+    """The HTTP server for ``manager``'s models (``front``: what answers the protocol's other
+    calls; by default one with no model control and no other processes). Start it with
+    :meth:`HttpServer.start`."""
     front = front or FrontDoor(manager)
-    app = web.Application(client_max_size=max_body, middlewares=[_route_errors])
-    app[MANAGER] = manager
-    app[METRICS] = manager.metrics
-    app[FRONT_DOOR] = front
-    h = Handlers(front, max_body)
-    r = app.router
-    # aiohttp resolves routes in registration order: the inference routes come first, and
-    # fixed paths (/v2/models/stats) before the {model} patterns that would swallow them.
-    r.add_post("/v2/models/{model}/infer", h.infer_v2)
-    r.add_post("/v2/models/{model}/versions/{version}/infer", h.infer_v2)
-    r.add_post("/v1/infer", h.infer_v1)
-    r.add_get("/v2", h.server_metadata)
-    r.add_get("/v2/health/live", h.live)
-    r.add_get("/v2/health/ready", h.ready)
-    r.add_get("/v2/models", h.models)
-    r.add_get("/v2/models/stats", h.statistics)
-    r.add_get("/v2/models/{model}", h.model_metadata)
-    r.add_get("/v2/models/{model}/versions/{version}", h.model_metadata)
-    r.add_get("/v2/models/{model}/ready", h.model_ready)
-    r.add_get("/v2/models/{model}/versions/{version}/ready", h.model_ready)
-    r.add_get("/v2/models/{model}/config", h.model_config)
-    r.add_get("/v2/models/{model}/versions/{version}/config", h.model_config)
-    r.add_get("/v2/models/{model}/stats", h.statistics)
-    r.add_get("/v2/models/{model}/versions/{version}/stats", h.statistics)
-    r.add_post("/v2/repository/index", h.repository_index)
-    r.add_post("/v2/repository/models/{model}/load", h.repository_load)
-    r.add_post("/v2/repository/models/{model}/unload", h.repository_unload)
-    for prefix in ("/v2/systemsharedmemory", "/v2/cudasharedmemory"):
-        r.add_route("*", prefix + "/{tail:.*}", h.not_offered)
-    r.add_route("*", "/v2/trace/setting", h.not_offered)
-    r.add_route("*", "/v2/models/{model}/trace/setting", h.not_offered)
-    r.add_route("*", "/v2/logging", h.not_offered)
-    r.add_get("/healthz", h.live)
-    r.add_get("/readyz", h.ready)
-    r.add_get("/metrics", h.metrics_endpoint)
-    return app
+    handlers = Handlers(front, max_body)
+    return HttpServer(build_router(handlers), _no_route, max_body=max_body, access_log=access_log)

@@ -254,6 +254,13 @@ def _json_tensor(t: dict[str, Any]) -> Array:
     return validate(t, InferTensor).to_numpy()
 
 
+def rows_of(feeds: dict[str, Array]) -> int:
+    """The rows a request holds: its first input's first dimension (1 for a scalar)."""
+    for arr in feeds.values():
+        return int(arr.shape[0]) if arr.ndim else 1
+    return 1
+
+
 def classify(arr: Array, class_count: int, labels: Sequence[str]) -> Array:
     """The classification extension: the top ``class_count`` classes of ``arr`` per row, as
     BYTES ``"score:index"`` or ``"score:index:label"`` (Triton's form), best first.

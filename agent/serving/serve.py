@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
-from aiohttp import web
 
 from mcp_edge.agent.runtime.batcher import BatchingConfig
 from mcp_edge.agent.runtime.manager import ModelManager, ModelSource, RunnerFactory
 from mcp_edge.agent.runtime.runner import ModelRunner
-from mcp_edge.agent.serving.http_api import DEFAULT_MAX_BODY, build_app
+from mcp_edge.agent.serving.http_api import DEFAULT_MAX_BODY, build_server
+from mcp_edge.agent.serving.http_server import HttpServer
 from mcp_edge.agent.serving.model_control import ModelControl
 from mcp_edge.agent.serving.model_dir import (
     ModelDirectory,
@@ -238,24 +238,24 @@ async def run_server(
             watcher.start()
     control = ModelControl(manager, model_dir, explicit=config.model_control == "explicit")
     front = FrontDoor(manager, control=control)
-    app = build_app(manager, max_body=config.max_body, front=front)
-    runner = web.AppRunner(app, access_log=log if config.access_log else None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(
-        runner, config.host, config.port, reuse_address=True, reuse_port=processes > 1 or None
+    http = build_server(
+        manager,
+        max_body=config.max_body,
+        front=front,
+        access_log=log if config.access_log else None,
     )
     grpc_server: GrpcServer | None = None
     group: ReplicaGroup | None = None
     try:
         try:
-            await site.start()
+            await http.start(config.host, config.port, reuse_port=processes > 1)
         except OSError as e:
             reason = os.strerror(e.errno) if e.errno else str(e)
             raise ListenError(f"cannot listen on {config.host}:{config.port}: {reason}") from e
         if config.grpc_port is not None:
             grpc_server = await _start_grpc(front, config)
         if processes > 1:
-            group = await _start_workers(config, manager, front, processes, runner, grpc_server)
+            group = await _start_workers(config, manager, front, processes, http, grpc_server)
         for name in manager.names():
             lv = manager.get(name)
             log.info("serving %s %s on %s/%s", name, lv.version, lv.info.backend, lv.info.provider)
@@ -265,7 +265,7 @@ async def run_server(
         for sig in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, stop.set)
-        where = listen_url(config.host, runner.addresses)
+        where = listen_url(config.host, http.addresses)
         _announce(where, profile, manager.names(), attach, watching=watcher is not None)
         if grpc_server is not None:
             _say(
@@ -291,7 +291,7 @@ async def run_server(
             await group.stop()
         if grpc_server is not None:
             await grpc_server.stop()
-        await runner.cleanup()
+        await http.stop()
         await manager.close()
 
 
@@ -323,7 +323,7 @@ async def _start_workers(
     manager: ModelManager,
     front: FrontDoor,
     processes: int,
-    runner: web.AppRunner,
+    http: HttpServer,
     grpc_server: GrpcServer | None,
 ) -> ReplicaGroup:
     """Start the worker processes on the ports this process bound and put them in step."""
@@ -336,7 +336,7 @@ async def _start_workers(
         manager,
         front,
         processes=processes,
-        http_port=runner.addresses[0][1],
+        http_port=http.addresses[0][1],
         grpc_port=None if grpc_server is None else grpc_server.port,
         log_level=logging.getLevelName(root.level).lower(),
         log_format="json" if json_logs else "text",

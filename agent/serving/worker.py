@@ -26,8 +26,6 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelNotFoundError, ModelSource, Outcome
 from mcp_edge.agent.runtime.runner import Array
 from mcp_edge.agent.serving.ipc import Channel
@@ -39,6 +37,7 @@ from mcp_edge.shared.protocol.wire import ErrorCode
 if TYPE_CHECKING:
     from mcp_edge.agent.runtime.manager import ModelManager
     from mcp_edge.agent.serving.grpc_api import GrpcServer
+    from mcp_edge.agent.serving.http_server import HttpServer
     from mcp_edge.agent.serving.service import FrontDoor
 
 log = logging.getLogger("mcp.agent.workers")
@@ -125,7 +124,7 @@ class Worker:
         self.settings: WorkerSettings | None = None
         self.manager: ModelManager | None = None
         self.front: FrontDoor | None = None
-        self.runner: web.AppRunner | None = None
+        self.http: HttpServer | None = None
         self.grpc: GrpcServer | None = None
         self.forwarder = Forwarder()
         self.pending: dict[tuple[str, str], LoadedVersion] = {}
@@ -181,7 +180,7 @@ class Worker:
         raise RequestError(ErrorCode.BAD_REQUEST, f"unknown call {op!r}")
 
     async def _init(self, settings: WorkerSettings) -> int:
-        from mcp_edge.agent.serving.http_api import build_app
+        from mcp_edge.agent.serving.http_api import build_server
         from mcp_edge.agent.serving.serve import build_manager, choose_profile
         from mcp_edge.agent.serving.service import FrontDoor
         from mcp_edge.shared.cli_style import setup_logging
@@ -198,22 +197,17 @@ class Worker:
         assert self.channel is not None
         front = FrontDoor(manager, cluster=PrimaryLink(self.channel, settings.processes))
         self.manager, self.front = manager, front
-        app = build_app(manager, max_body=config.max_body, front=front)
-        runner = web.AppRunner(app, access_log=log if config.access_log else None,
-                               handle_signals=False)  # fmt: skip
-        await runner.setup()
-        self.runner = runner
+        access = logging.getLogger("mcp.agent") if config.access_log else None
+        self.http = build_server(manager, max_body=config.max_body, front=front, access_log=access)
         return os.getpid()
 
     async def _listen(self) -> None:
         """Bind the ports beside the primary: called once every loaded version is in step, so
         that no request reaches a worker that does not serve the models yet."""
-        settings, runner, front = self.settings, self.runner, self.front
-        assert settings is not None and runner is not None and front is not None
+        settings, http, front = self.settings, self.http, self.front
+        assert settings is not None and http is not None and front is not None
         config = settings.config
-        site = web.TCPSite(runner, config.host, settings.http_port, reuse_address=True,
-                           reuse_port=True)  # fmt: skip
-        await site.start()
+        await http.start(config.host, settings.http_port, reuse_port=True)
         if settings.grpc_port is not None:
             from mcp_edge.agent.serving.grpc_api import GrpcServer
 
@@ -242,8 +236,8 @@ class Worker:
     async def close(self) -> None:
         if self.grpc is not None:
             await self.grpc.stop()
-        if self.runner is not None:
-            await self.runner.cleanup()
+        if self.http is not None:
+            await self.http.stop()
         for lv in self.pending.values():
             await lv.close()
         if self.manager is not None:

@@ -13,20 +13,19 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
 from PIL import Image
 
 from mcp_edge.agent.runtime.batcher import BatchingConfig
 from mcp_edge.agent.runtime.loader import load_runner
 from mcp_edge.agent.runtime.manager import ModelManager, ModelSource
 from mcp_edge.agent.runtime.runner import ModelRunner
-from mcp_edge.agent.serving.http_api import build_app
 from mcp_edge.agent.serving.model_dir import ModelDirectory, ModelDirectoryWatcher
 from mcp_edge.shared.bundle import build_bundle, sign_bundle
 from mcp_edge.shared.profiles import load_profiles
 from mcp_edge.shared.protocol.canary import CanaryPolicy
 from mcp_edge.shared.signing import PrivateKey
 from mcp_edge.tooling.models import DigitsModels, make_digits_models, onnx_predict
+from tests.support.agent_http import AgentClient, serve_manager
 from tests.support.runners import DoublingRunner, FailingAfterWarmup
 
 PROFILE = load_profiles()["generic-x86_64"]
@@ -58,7 +57,7 @@ def other_digits(tmp_path_factory: pytest.TempPathFactory) -> DigitsModels:
 @pytest.fixture
 async def serve(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     """Start the agent app on a model path; returns (client, manager, model dir, known files)."""
-    started: list[tuple[TestClient, ModelManager]] = []
+    started: list[tuple[AgentClient, ModelManager]] = []
 
     async def start(
         model_path: Path,
@@ -67,14 +66,13 @@ async def serve(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         batching: BatchingConfig | None = None,
         trusted: Sequence[Any] = (),
         max_body: int = 8 * 1024 * 1024,
-    ) -> tuple[TestClient, ModelManager, ModelDirectory, Any]:
+    ) -> tuple[AgentClient, ModelManager, ModelDirectory, Any]:
         manager = ModelManager(factory, batching=batching or BatchingConfig())
         model_dir = ModelDirectory(
             model_path, state_dir=tmp_path / "state", profile=PROFILE, trusted_keys=trusted
         )
         known = await model_dir.load_all(manager)
-        client = TestClient(TestServer(build_app(manager, max_body=max_body)))
-        await client.start_server()
+        client = await serve_manager(manager, max_body=max_body)
         started.append((client, manager))
         return client, manager, model_dir, known
 
@@ -476,7 +474,10 @@ async def test_a_chunked_body_over_the_limit_is_413(
         "/v2/models/digits/infer", data=chunks(), headers={"Content-Type": "application/json"}
     )
     assert resp.status == 413
-    assert await resp.json() == {"error": "request body is too large", "code": "too_large"}
+    assert await resp.json() == {
+        "error": "request body too large: over 1048576 bytes",
+        "code": "too_large",
+    }
 
 
 async def test_an_empty_version_header_pins_nothing(

@@ -123,16 +123,16 @@ def test_the_merged_exposition_has_each_family_once() -> None:
 # ---------------------------------------------------------------------------- statistics
 def _events_1(s: VersionStatistics) -> None:
     s.on_batch(2, 2, 0.004, 0.002)
-    s.on_request(True, 0.010, rows=1, input_s=0.0001, output_s=0.0002)
-    s.on_request(True, 0.011, rows=1, input_s=0.0001, output_s=0.0002)
+    s.on_success(0.010, 1, 0.0001, 0.0002)
+    s.on_success(0.011, 1, 0.0001, 0.0002)
 
 
 def _events_2(s: VersionStatistics) -> None:
     s.on_batch(1, 1, 0.001, 0.001)
     s.on_batch(2, 1, 0.003, 0.0025)
     s.on_batch(4, 1, 0.0, 0.004)
-    s.on_request(True, 0.020, rows=4, input_s=0.0003, output_s=0.0001)
-    s.on_request(False, 0.500)
+    s.on_success(0.020, 4, 0.0003, 0.0001)
+    s.on_failure(0.500)
 
 
 def test_statistics_of_two_processes_sum_to_what_one_process_would_have_counted() -> None:
@@ -162,7 +162,7 @@ def test_statistics_keep_versions_apart_and_list_models_by_name() -> None:
     def entry(name: str, version: str, count: int, last: int) -> dict[str, Any]:
         s = VersionStatistics()
         for _ in range(count):
-            s.on_request(True, 0.001)
+            s.on_success(0.001, 1, 0.0, 0.0)
         e = s.to_json(name, version)
         e["last_inference"] = last
         return e
