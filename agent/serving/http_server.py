@@ -12,7 +12,8 @@ server over 70k). This module is only what that API needs, done carefully:
   connection closed; an upgrade request 501.
 - **Limits** before anything is buffered: the request line (8 KiB), the headers (64 KiB and
   100 of them; 431 past either), the body (``max_body``, 413 from its ``Content-Length`` or
-  as the chunks arrive), at most 32 requests queued on one connection (reading pauses).
+  as the chunks arrive); once 32 requests are queued on one connection, reading pauses (the
+  requests of the read in progress are still parsed: a read is at most 256 KiB).
 - ``Content-Encoding: gzip`` or ``deflate`` bodies are inflated with the same cap on the
   inflated size (a small compressed bomb is refused, never inflated in full); other codings
   are 415. ``Expect: 100-continue`` is answered once the headers pass the limits.
@@ -47,9 +48,14 @@ log = logging.getLogger("mcp.agent.http")
 
 MAX_URL = 8 * 1024
 MAX_HEADER_BYTES = 64 * 1024
+MAX_HEAD_BYTES = MAX_URL + MAX_HEADER_BYTES + 8 * 1024
+"""The bytes a request's head may take past the read it began in (see ``_feed_head``)."""
+_HEAD_SLICE = 4096
 MAX_HEADERS = 100
 MAX_QUEUED = 32
 KEEPALIVE_S = 75.0
+LINGER_S = 2.0
+"""After a refusal, how long the server reads and drops what the client still sends."""
 
 _REASONS = {
     100: "Continue", 200: "OK", 204: "No Content", 400: "Bad Request", 401: "Unauthorized",
@@ -217,6 +223,7 @@ class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+        self.request: HttpRequest | None = None  # what is known of it, for the access log
 
 
 class _Connection(asyncio.Protocol):
@@ -232,6 +239,9 @@ class _Connection(asyncio.Protocol):
         self._url = bytearray()
         self._headers: list[tuple[str, str]] = []
         self._header_bytes = 0
+        self._in_head = False
+        self._head_bytes = 0
+        self._discarding = False
         self._body: list[bytes] = []
         self._body_size = 0
         self._inflate: Any = None
@@ -279,8 +289,15 @@ class _Connection(asyncio.Protocol):
         self._resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        if self._discarding:  # after a refusal: read and dropped until the client closes
+            return
         try:
-            self.parser.feed_data(data)
+            if self._in_head:
+                self._feed_head(data)
+            else:
+                self.parser.feed_data(data)
+        except _Refused as e:
+            self._refuse(e)
         except httptools.HttpParserCallbackError as e:
             # A callback refused the request (a limit, an encoding): llhttp re-raises it so.
             cause = e.__context__
@@ -294,8 +311,28 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._refuse(_Refused(400, f"malformed HTTP request: {e}"))
 
+    def _feed_head(self, data: bytes) -> None:
+        """Feed ``data`` that continues a request's head, counting what the head takes.
+
+        httptools holds a header name or value until it ends and only then calls
+        :meth:`on_header`, so the limits there do not bound one endless header: the head is
+        fed in slices and refused once it has taken :data:`MAX_HEAD_BYTES`.
+        """
+        view = memoryview(data)
+        parser = self.parser
+        for start in range(0, len(view), _HEAD_SLICE):
+            if not self._in_head:
+                parser.feed_data(view[start:])
+                return
+            self._head_bytes += min(_HEAD_SLICE, len(view) - start)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                raise _Refused(431, f"request headers over {MAX_HEADER_BYTES} bytes")
+            parser.feed_data(view[start : start + _HEAD_SLICE])
+
     def _refuse(self, e: _Refused) -> None:
         """Answer ``e`` after the requests queued before it, then close."""
+        if self.server.access_log is not None:
+            e.request = self._refused_request()
         self.queue.append(e)
         self._pause_reading()
         self._wake()
@@ -305,6 +342,8 @@ class _Connection(asyncio.Protocol):
         self._url.clear()
         self._headers = []
         self._header_bytes = 0
+        self._in_head = True
+        self._head_bytes = 0
         self._body = []
         self._body_size = 0
         self._inflate = None
@@ -323,6 +362,11 @@ class _Connection(asyncio.Protocol):
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        if self.parser.should_upgrade():
+            # llhttp would hand the connection over after this request (CONNECT too): refuse
+            # it here, before it is queued, so that no handler answers it as well.
+            raise _Refused(501, "protocol upgrades are not supported")
         max_body = self.server.max_body
         encoding = ""
         for name, value in self._headers:
@@ -358,7 +402,10 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._inflate is not None and not self._inflate.eof:
             raise _Refused(400, "cannot read the request body: the compressed data ends early")
-        url = httptools.parse_url(bytes(self._url))
+        try:
+            url = httptools.parse_url(bytes(self._url))
+        except httptools.HttpParserInvalidURLError:
+            raise _Refused(400, "malformed HTTP request: invalid request target") from None
         raw_path = url.path.decode("latin-1")
         parser = self.parser
         request = HttpRequest(
@@ -421,11 +468,11 @@ class _Connection(asyncio.Protocol):
             log.exception("unhandled error answering %s %s", request.method, request.path[:200])
             response = HttpResponse(b'{"error":"internal error","code":"internal"}', 500)
         keep = request.keep_alive and not self.server.stopping
+        if not self._writable.is_set():
+            await self._writable.wait()
         transport = self.transport
         if transport is None or transport.is_closing():
             return False
-        if not self._writable.is_set():
-            await self._writable.wait()
         body = response.body
         head = _head(response.status, response.content_type, len(body), response.headers,
                      not keep)  # fmt: skip
@@ -441,10 +488,47 @@ class _Connection(asyncio.Protocol):
 
     async def _send_refusal(self, e: _Refused) -> None:
         transport = self.transport
-        if transport is not None and not transport.is_closing():
-            body = _error_body(e.status, str(e))
-            transport.write(_head(e.status, "application/json", len(body), None, True) + body)
-        self._close()
+        if transport is None or transport.is_closing():
+            return
+        body = _error_body(e.status, str(e))
+        transport.write(_head(e.status, "application/json", len(body), None, True) + body)
+        if e.request is not None and self.server.access_log is not None:
+            self.server.log_access(e.request, HttpResponse(body, e.status), 0.0)
+        # A lingering close: a client still sending (a 413 mid-upload) would get a reset for
+        # the unread bytes, and on a real network the reset can destroy the answer before
+        # it is read. Stop writing, read and drop what still comes (at most LINGER_S).
+        self._discarding = True
+        if transport.can_write_eof():
+            with contextlib.suppress(OSError, RuntimeError):
+                transport.write_eof()
+            self._resume_reading_now()
+            self.loop.call_later(LINGER_S, self._close)
+        else:
+            self._close()
+
+    def eof_received(self) -> bool | None:
+        if self._discarding:
+            self._close()
+        return None
+
+    def _resume_reading_now(self) -> None:
+        transport = self.transport
+        if not self._reading and transport is not None and not transport.is_closing():
+            self._reading = True
+            transport.resume_reading()
+
+    def _refused_request(self) -> HttpRequest:
+        """What is known of a request being refused (for the access log): the method and
+        target once the parser has read them, the headers read so far."""
+        parser = self.parser
+        known = bool(self._url)
+        return HttpRequest(
+            parser.get_method().decode("latin-1") if known else "-",
+            self._url[:2000].decode("latin-1") if known else "-",
+            CIMultiDictProxy(CIMultiDict(self._headers)),
+            version=parser.get_http_version() if self._headers or not self._in_head else "-",
+            peer=self.peer,
+        )
 
     def _close(self) -> None:
         self._closing = True
@@ -464,6 +548,7 @@ class _Connection(asyncio.Protocol):
             and transport is not None
             and not transport.is_closing()
             and not any(isinstance(q, _Refused) for q in self.queue)
+            and len(self.queue) < MAX_QUEUED // 2
         ):
             self._reading = True
             transport.resume_reading()
@@ -576,10 +661,21 @@ class HttpServer:
         target = request.path + (f"?{request.query}" if request.query else "")
         self.access_log.info(
             '%s [%s] "%s %s HTTP/%s" %d %d %.6f "%s" "%s"',
-            request.peer, stamp, request.method, target[:2000], request.version,
+            request.peer, stamp, request.method, _quoted(target[:2000]), request.version,
             response.status, len(response.body), elapsed_s,
-            request.headers.get("Referer", "-"), request.headers.get("User-Agent", "-"),
+            _quoted(request.headers.get("Referer", "-")),
+            _quoted(request.headers.get("User-Agent", "-")),
         )  # fmt: skip
+
+
+def _quoted(text: str) -> str:
+    """``text`` fit for a quoted access-log field: a quote or backslash in it is escaped, so a
+    client cannot end the field early, and control bytes are written as ``\\xHH``."""
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return text
+    return "".join(
+        "\\" + c if c in '"\\' else c if c.isprintable() else f"\\x{ord(c):02x}" for c in text
+    )
 
 
 _CODES = {400: "bad_request", 413: "too_large", 415: "unsupported", 431: "too_large",
