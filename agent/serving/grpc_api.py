@@ -130,6 +130,21 @@ def _typed_contents(name: str, dt: Datatype, shape: list[int], contents: Any) ->
     return wide.astype(target).reshape(shape)
 
 
+_BY_NAME: dict[int, tuple[tuple[TensorSpec, ...], dict[str, TensorSpec]]] = {}
+
+
+def _by_name(specs: tuple[TensorSpec, ...]) -> dict[str, TensorSpec]:
+    """The model's inputs by name (once per signature: this is every request's path)."""
+    cached = _BY_NAME.get(id(specs))
+    if cached is not None and cached[0] is specs:
+        return cached[1]
+    found = {s.name: s for s in specs}
+    if len(_BY_NAME) > 256:
+        _BY_NAME.clear()
+    _BY_NAME[id(specs)] = (specs, found)
+    return found
+
+
 def decode_grpc_request(request: Any, specs: tuple[TensorSpec, ...]) -> Call:
     """A ``ModelInferRequest`` as a :class:`~.oip.Call`; raises MessageError, InputError or
     RequestError with the HTTP path's messages."""
@@ -142,12 +157,14 @@ def decode_grpc_request(request: Any, specs: tuple[TensorSpec, ...]) -> Call:
             f"raw_input_contents holds {len(raws)} tensors for {len(inputs)} inputs: give "
             "every input raw, or none"
         )
-    params = {k: _param_value(v) for k, v in request.parameters.items()}
-    _, priority, timeout_s = request_parameters(params)
-    by_name = {s.name: s for s in specs}
+    priority = timeout_s = None
+    if request.parameters:
+        params = {k: _param_value(v) for k, v in request.parameters.items()}
+        _, priority, timeout_s = request_parameters(params)
+    by_name = _by_name(specs)
     feeds: dict[str, Array] = {}
     for i, t in enumerate(inputs):
-        if "shared_memory_region" in t.parameters:
+        if t.parameters and "shared_memory_region" in t.parameters:
             raise not_implemented(f"input {t.name!r}: shared memory")
         name, dt, shape = check_input(t.name, t.datatype, list(t.shape), by_name, feeds)
         if raws:
@@ -180,14 +197,25 @@ def decode_grpc_request(request: Any, specs: tuple[TensorSpec, ...]) -> Call:
 def encode_grpc_response(
     lv: LoadedVersion, request_id: str | None, tensors: Sequence[tuple[str, Array, bool]]
 ) -> Any:
-    """A ``ModelInferResponse`` holding ``tensors`` in ``raw_output_contents``."""
+    """A ``ModelInferResponse`` holding ``tensors`` in ``raw_output_contents``. Raises
+    RequestError (too_large) for tensors over :data:`MAX_INFER_RESPONSE_BYTES`."""
     outs = []
     raws = []
+    size = 0
     for name, arr, _ in tensors:
-        datatype = Datatype.from_numpy(arr.dtype).value
-        outs.append(pb.ModelInferResponse.InferOutputTensor(
-            name=name, datatype=datatype, shape=arr.shape))  # fmt: skip
-        raws.append(bytes(raw_from_array(arr)))
+        datatype = _DATATYPES.get(arr.dtype)
+        if datatype is None:
+            datatype = _DATATYPES[arr.dtype] = Datatype.from_numpy(arr.dtype).value
+        outs.append(_OUTPUT(name=name, datatype=datatype, shape=arr.shape))
+        raw = bytes(raw_from_array(arr))
+        size += len(raw)
+        raws.append(raw)
+    if size > MAX_INFER_RESPONSE_BYTES:
+        raise RequestError(
+            ErrorCode.TOO_LARGE,
+            f"the answer's tensors are {size} bytes, over the {MAX_INFER_RESPONSE_BYTES}-byte "
+            "limit; ask for fewer rows or outputs",
+        )
     return pb.ModelInferResponse(
         model_name=lv.name,
         model_version=lv.version,
@@ -195,6 +223,10 @@ def encode_grpc_response(
         outputs=outs,
         raw_output_contents=raws,
     )
+
+
+_OUTPUT = pb.ModelInferResponse.InferOutputTensor
+_DATATYPES: dict[Any, str] = {}
 
 
 class GrpcError(Exception):
@@ -407,12 +439,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
                 outputs, call.outputs, answered.output_names, answered.source.labels, True
             )
             response = encode_grpc_response(answered, call.request_id, tensors)
-            if response.ByteSize() > MAX_INFER_RESPONSE_BYTES:
-                raise RequestError(
-                    ErrorCode.TOO_LARGE,
-                    f"the answer is {response.ByteSize()} bytes, over the "
-                    f"{MAX_INFER_RESPONSE_BYTES}-byte limit; ask for fewer rows or outputs",
-                )
         except Exception as e:
             raise self._failed(model, e, lv, ran, t0) from None
         finally:
