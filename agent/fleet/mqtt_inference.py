@@ -41,7 +41,7 @@ from mcp_edge.agent.serving.requests import (
     MQTT_PROPERTIES,
     RequestError,
     classify,
-    count_unrun,
+    count_failure,
     parse_options,
 )
 from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response
@@ -232,15 +232,7 @@ class MqttInference:
             self._check_reply_size(model, len(body))
         except Exception as e:
             err = classify(e)
-            if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
-                m.rejections.labels(model, err.code.value).inc()
-            else:
-                m.errors.labels(model, err.code.value).inc()
-            m.requests.labels(model, "mqtt", str(err.code.http_status)).inc()
-            if lv is not None:
-                lv.statistics.on_failure(time.perf_counter() - t0)
-            if not ran:
-                count_unrun(self.manager, lv, err, time.perf_counter() - t0)
+            count_failure(self.manager, model, "mqtt", err, lv, ran, time.perf_counter() - t0)
             return error_body(err), err.code
         finally:
             m.active.dec()

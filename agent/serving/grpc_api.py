@@ -55,7 +55,7 @@ from mcp_edge.agent.serving.requests import (
     OptionNames,
     RequestError,
     classify,
-    count_unrun,
+    count_failure,
     parse_options,
 )
 from mcp_edge.agent.serving.service import FrontDoor
@@ -454,18 +454,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         self, model: str, e: Exception, lv: LoadedVersion | None, ran: bool, started: float
     ) -> GrpcError:
         err = classify(e)
-        elapsed = time.perf_counter() - started
-        if lv is not None:
-            lv.statistics.on_failure(elapsed)
-            if not ran:
-                count_unrun(self.manager, lv, err, elapsed)
-        label = model if model in self.manager.loaded_names else "_unknown"
-        m = self.metrics
-        if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
-            m.rejections.labels(label, err.code.value).inc()
-        else:
-            m.errors.labels(label, err.code.value).inc()
-        m.requests.labels(label, "grpc", str(err.code.http_status)).inc()
+        count_failure(self.manager, model, "grpc", err, lv, ran, time.perf_counter() - started)
         return GrpcError(GRPC_STATUS[err.code], str(err))
 
     def _succeeded(self, lv: LoadedVersion, started: float) -> float:

@@ -54,7 +54,7 @@ from mcp_edge.agent.serving.requests import (
     HTTP_HEADERS,
     RequestError,
     classify,
-    count_unrun,
+    count_failure,
     parse_options,
 )
 from mcp_edge.agent.serving.service import FrontDoor
@@ -175,29 +175,14 @@ class Handlers:
         self._active = 0  # /v2 inference requests in progress (a hint for batching)
         self._payload = {p: self.metrics.payload_bytes.labels(p) for p in ("v1", "v2")}
 
-    def _model_label(self, model: str) -> str:
-        # Only loaded models become label values: a URL must not mint metric series.
-        return model if model in self.manager.loaded_names else "_unknown"
-
     def _failed(
         self, model: str, protocol: str, e: Exception, lv: LoadedVersion | None, ran: bool,
         started: float,
     ) -> HttpResponse:  # fmt: skip
         """The error answer; ``lv``: the version the request was routed to (None: never
         routed); ``ran``: whether it reached the version's queue (its runs are counted there)."""
-        m = self.metrics
         err = _classify(e)
-        elapsed = time.perf_counter() - started
-        if lv is not None:
-            lv.statistics.on_failure(elapsed)
-            if not ran:
-                count_unrun(self.manager, lv, err, elapsed)
-        label = self._model_label(model)
-        if err.code in (ErrorCode.OVERLOADED, ErrorCode.TIMEOUT):
-            m.rejections.labels(label, err.code.value).inc()
-        else:
-            m.errors.labels(label, err.code.value).inc()
-        m.requests.labels(label, protocol, str(err.code.http_status)).inc()
+        count_failure(self.manager, model, protocol, err, lv, ran, time.perf_counter() - started)
         return _error(err)
 
     def _succeeded(self, lv: LoadedVersion, protocol: str, started: float) -> float:

@@ -103,6 +103,32 @@ def outcome_for(err: RequestError) -> Outcome:
     return Outcome.ERROR
 
 
+def count_failure(
+    manager: ModelManager,
+    model: str,
+    protocol: str,
+    err: RequestError,
+    lv: LoadedVersion | None,
+    ran: bool,
+    elapsed_s: float,
+) -> None:
+    """Everything a failed request counts, on every transport: the Triton statistics of the
+    version it was routed to (``lv``; None: never routed), its statistics as a request that
+    never ran (``ran`` False), and the metrics by code (``protocol``: the label). Only a
+    loaded model's name becomes a label value: a request must not mint metric series."""
+    if lv is not None:
+        lv.statistics.on_failure(elapsed_s)
+        if not ran:
+            count_unrun(manager, lv, err, elapsed_s)
+    label = model if model in manager.loaded_names else "_unknown"
+    m = manager.metrics
+    if err.code is ErrorCode.OVERLOADED or err.code is ErrorCode.TIMEOUT:
+        m.rejections.labels(label, err.code.value).inc()
+    else:
+        m.errors.labels(label, err.code.value).inc()
+    m.requests.labels(label, protocol, str(err.code.http_status)).inc()
+
+
 def count_unrun(
     manager: ModelManager, lv: LoadedVersion | None, err: RequestError, latency_s: float
 ) -> None:
