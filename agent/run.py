@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from mcp_edge.agent.identity import StoredTrust
     from mcp_edge.agent.update.transport import RepoTransport
     from mcp_edge.shared.signing import PublicKey
+    from mcp_edge.shared.tracing import Tracing
 
 
 def broker_address(url: str) -> tuple[str, int, bool]:
@@ -73,10 +74,12 @@ def fleet_attachment(
     inference_interval_s: float,
     transport: RepoTransport | None = None,
     max_reply_bytes: int | None = None,
+    tracing: Tracing | None = None,
 ) -> Attach:
     """The ``attach`` hook for :func:`agent.serving.serve.run_server` that runs the fleet session.
 
-    ``transport``: where model updates come from (``--repo``); None: over MQTT.
+    ``transport``: where model updates come from (``--repo``); None: over MQTT. ``tracing``:
+    where deployment spans go (continuing the control plane's deploy call); None: off.
     """
     # Imported here so `mcp-agent serve` does not load the enrollment and signing code.
     from mcp_edge.agent.identity import IdentityError, load_enrollment
@@ -153,7 +156,7 @@ def fleet_attachment(
             assert repo is not None
             update = UpdateAgent(
                 state_dir, answer.device_id, profile, manager, repo, trust[0], events=session,
-                tuf_root=trust[1],
+                tuf_root=trust[1], tracing=tracing,
             )  # fmt: skip
             updates.append(update)
             await update.resume()
@@ -242,18 +245,21 @@ def run_command(
       mcp-agent run --model-path ./models # plus local ones
       mcp-agent run --config agent.toml --port 8001
     """
-    from mcp_edge.agent.serving.serve import run_until_stopped
+    from mcp_edge.agent.serving.serve import agent_tracing, run_until_stopped
 
     setup_logging(log_level.lower(), log_format)
     try:
         transport = repo_transport(repo_url) if repo_url else None
     except ValueError as e:
         raise click.UsageError(str(e)) from e
+    config = serving.config(model_path)
+    tracing = agent_tracing(config.otlp_endpoint)
     attach = fleet_attachment(
         serving.state,
         health_interval_s=health_interval,
         inference_interval_s=stats_interval,
         transport=transport,
         max_reply_bytes=None if max_reply_mb is None else int(max_reply_mb * 1024 * 1024),
+        tracing=tracing,
     )
-    run_until_stopped(serving.config(model_path), attach)
+    run_until_stopped(config, attach, tracing)

@@ -443,7 +443,18 @@ def create_app(
         app.on_cleanup.append(stop_repo)
     else:
         log.info("no broker configured: telemetry ingestion is off")
-    deployments = DeploymentService(db, KeyStore(settings.data_dir / "keys"), None, clock, settings)
+    from mcp_edge.shared.tracing import setup_tracing
+
+    tracing = setup_tracing("mcp-controlplane", settings.otlp_endpoint)
+    deployments = DeploymentService(
+        db, KeyStore(settings.data_dir / "keys"), None, clock, settings, tracing=tracing
+    )
+    if tracing is not None:
+
+        async def stop_tracing(app: web.Application) -> None:
+            await asyncio.to_thread(tracing.shutdown)
+
+        app.on_cleanup.append(stop_tracing)
     attach_deployments(app, deployments, broker=ingest, provisioner=provisioner, sessions=sessions)
     rollouts = app[ROLLOUTS] = RolloutService(
         db,

@@ -29,7 +29,7 @@ import logging
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import orjson
 from pydantic import ValidationError
@@ -54,6 +54,9 @@ from mcp_edge.shared.protocol import topics
 from mcp_edge.shared.protocol.canary import CanaryPolicy
 from mcp_edge.shared.protocol.state import DesiredState, TelemetryPolicy, sign_desired_state
 from mcp_edge.shared.signing import PrivateKey
+
+if TYPE_CHECKING:
+    from mcp_edge.shared.tracing import Tracing
 
 log = logging.getLogger("mcp.controlplane.deployments")
 
@@ -188,8 +191,10 @@ class DeploymentService:
         *,
         interval_s: float = 60.0,
         publish_timeout_s: float = 5.0,
+        tracing: Tracing | None = None,
     ) -> None:
         self._db = db
+        self._tracing = tracing
         self._keys = keys
         self._publisher = publisher
         self._clock = clock
@@ -233,7 +238,41 @@ class DeploymentService:
     ) -> Outcome:
         """Make ``version`` the stable version of ``model`` on every accepted device selected
         (with a canary ``(version, policy)`` or a shadow version), then issue and publish each
-        device's new desired state. Raises :class:`DeploymentError` subclasses."""
+        device's new desired state. Raises :class:`DeploymentError` subclasses.
+
+        With tracing on, the call is a span (``deploy MODEL VERSION``) whose trace the issued
+        desired states carry, so each device's deployment continues it.
+        """
+        tracing = self._tracing
+        if tracing is None:
+            return await self._deploy(model, version, selector, canary, shadow, rollback, actor)
+        attributes = {"mcp.model": model, "mcp.version": version, "mcp.actor": actor,
+                      "mcp.selector": selector.describe()}  # fmt: skip
+        with tracing.tracer.start_as_current_span(
+            f"deploy {model} {version}", attributes=attributes
+        ) as span:
+            try:
+                outcome = await self._deploy(
+                    model, version, selector, canary, shadow, rollback, actor,
+                    tracing.traceparent(span),
+                )  # fmt: skip
+            except DeploymentError as e:
+                tracing.error(span, str(e))
+                raise
+            span.set_attribute("mcp.devices", outcome.deployment.devices_matched)
+            return outcome
+
+    async def _deploy(
+        self,
+        model: str,
+        version: str,
+        selector: Selector,
+        canary: tuple[str, CanaryPolicy] | None,
+        shadow: str | None,
+        rollback: bool,
+        actor: str,
+        traceparent: str | None = None,
+    ) -> Outcome:
         if canary is not None and shadow is not None:
             raise InvalidDeploymentError("a model takes a canary or a shadow, not both")
         policy = canary_columns(canary[1] if canary else None)
@@ -292,7 +331,7 @@ class DeploymentService:
                 ],
                 now=now,
             )
-            seqs = await self._issue(tx, ids, now, key)
+            seqs = await self._issue(tx, ids, now, key, traceparent)
             await self._audit(tx, now, actor, "deployment.created", deployment, skipped)
         log.info(
             "deployment %d: %s %s to %s: %d device(s), %d skipped, by %s",
@@ -645,10 +684,15 @@ class DeploymentService:
             )
 
     async def _issue(
-        self, tx: Tx, device_ids: Sequence[str], now: datetime, key: PrivateKey
+        self,
+        tx: Tx,
+        device_ids: Sequence[str],
+        now: datetime,
+        key: PrivateKey,
+        traceparent: str | None = None,
     ) -> dict[str, int]:
         """Build, sign (with ``key``) and store the next desired state of each device;
-        ``{device: seq}``."""
+        ``{device: seq}``. ``traceparent``: the deploy call's trace, carried to the devices."""
         if not device_ids:
             return {}
         previous = await q.desired_states(tx, device_ids, lock=True)
@@ -667,8 +711,9 @@ class DeploymentService:
             seq = previous[device_id].seq + 1 if device_id in previous else 1
             try:
                 state = build_desired_state(
-                    device_id, seq, now, self._ttl, models[device_id], versions, self._telemetry
-                )
+                    device_id, seq, now, self._ttl, models[device_id], versions,
+                    self._telemetry, traceparent,
+                )  # fmt: skip
             except ValidationError as e:
                 raise DeploymentConflictError(
                     f"the desired state of {device_id!r} would be invalid: {e.errors()[0]['msg']}"

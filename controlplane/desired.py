@@ -43,12 +43,14 @@ def build_desired_state(
     models: Sequence[DeviceModelView],
     versions: Mapping[tuple[str, str], VersionView],
     telemetry: TelemetryPolicy | None = None,
+    traceparent: str | None = None,
 ) -> DesiredState:
     """The whole desired state of one device from its desired models; a model whose version
     is no longer published is left out (logged). A ``prefetch_version`` that is no longer
     published, or that the model already runs as stable, canary or shadow, is left out of its
-    model alone (logged): the model keeps serving. Raises pydantic's ValidationError when the
-    document would break its schema (more than 64 models)."""
+    model alone (logged): the model keeps serving. ``traceparent``: the trace of the deploy
+    call that issues it (tracing on). Raises pydantic's ValidationError when the document
+    would break its schema (more than 64 models)."""
     entries: list[DesiredModel] = []
     for m in models:
         stable = versions.get((m.model, m.stable_version))
@@ -85,6 +87,7 @@ def build_desired_state(
         expires=now + ttl,
         models=entries,
         telemetry=telemetry or TelemetryPolicy(),
+        traceparent=traceparent,
     )
 
 

@@ -26,6 +26,7 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     drift_max_reports_per_minute = 60           # per device; more are refused (docs/drift.md)
     drift_report_retention_hours = 48           # device drift reports; buckets: retention_days
     ui_session_hours = 12.0                     # web console sessions end after this (/ui/)
+    otlp_endpoint = "http://otel-collector:4318" # absent: no tracing (shared/tracing.py)
 
     [drift_policy]                              # sent to every device; docs/drift.md
     enabled = true                              # false: devices measure no drift
@@ -47,7 +48,8 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
 Webhooks are read from the file (or ``overrides``) only, never from the environment.
 
 Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES``, ``MCP_REPOSITORY_HTTP``,
-``MCP_REPLICA_NAME``, ``MCP_INFERENCE_INTERVAL_S`` and ``MCP_ROLLOUT_LEASE_S``.
+``MCP_REPLICA_NAME``, ``MCP_INFERENCE_INTERVAL_S``, ``MCP_ROLLOUT_LEASE_S`` and
+``MCP_OTLP_ENDPOINT``.
 """
 
 from __future__ import annotations
@@ -320,6 +322,8 @@ class Settings:
     ui_session_hours: float = 12.0
     """How long a web console session lasts after sign-in (``/ui/login``); it can be ended
     sooner by signing out or revoking it (``mcp-controlplane api-tokens revoke``)."""
+    otlp_endpoint: str | None = None
+    """Where traces go (OTLP over HTTP); None: no tracing (:mod:`shared.tracing`)."""
     drift_policy: DriftPolicy = field(default_factory=DriftPolicy)
     """How devices measure drift (window, sampling, hard examples): sent in every desired
     state's telemetry policy (``[drift_policy]`` in the config file)."""
@@ -481,6 +485,11 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             changes["drift_report_retention_hours"] = hours
         if values.get("replica_name"):
             changes["replica_name"] = valid_replica_name(str(values["replica_name"]))
+        if values.get("otlp_endpoint"):
+            endpoint = str(values["otlp_endpoint"])
+            if not endpoint.startswith(("http://", "https://")) or len(endpoint) > 2048:
+                raise ValueError("otlp_endpoint must be an http:// or https:// URL")
+            changes["otlp_endpoint"] = endpoint
         if values.get("webhooks") is not None:
             changes["webhooks"] = _parse_webhooks(values["webhooks"])
         if values.get("drift_policy") is not None:
@@ -529,6 +538,7 @@ def load_settings(
         "replica_name": env.get("MCP_REPLICA_NAME") or None,
         "inference_interval_s": env.get("MCP_INFERENCE_INTERVAL_S") or None,
         "rollout_lease_s": env.get("MCP_ROLLOUT_LEASE_S") or None,
+        "otlp_endpoint": env.get("MCP_OTLP_ENDPOINT") or None,
     }
     settings = _apply(settings, from_env, "environment")
     return _apply(settings, overrides or {}, "command line")
@@ -573,6 +583,8 @@ def write_config_file(settings: Settings) -> Path:
     values["ui_session_hours"] = settings.ui_session_hours
     if settings.replica_name:
         values["replica_name"] = settings.replica_name
+    if settings.otlp_endpoint:
+        values["otlp_endpoint"] = settings.otlp_endpoint
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(
         f"{k} = {_toml_value(v)}\n" for k, v in values.items()
     )

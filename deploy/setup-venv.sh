@@ -16,9 +16,9 @@ fi
 stamp="$VENV/.mcp-edge-installed"
 want=$(cat pyproject.toml deploy/constraints.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "setup-venv: installing mcp-edge[test,dev,tflite,postgres,grpc] into $VENV" >&2
+  echo "setup-venv: installing mcp-edge[test,dev,tflite,postgres,grpc,otel] into $VENV" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-    -c deploy/constraints.txt -e ".[test,dev,tflite,postgres,grpc]"
+    -c deploy/constraints.txt -e ".[test,dev,tflite,postgres,grpc,otel]"
   echo "$want" > "$stamp"
 fi

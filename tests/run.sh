@@ -2,7 +2,8 @@
 # The test command: installs what the tests need on a fresh Debian machine, then runs pytest.
 #   bash tests/run.sh                 # whole suite
 #   bash tests/run.sh -k bundle -x    # arguments go to pytest
-# Installs Debian's mosquitto and chromium when missing, axe-core (npm) into .cache/axe, then
+# Installs Debian's mosquitto, chromium, systemd (systemd-analyze) and prometheus (promtool) when
+# missing, axe-core (npm) into .cache/axe, then
 # .venv (or $MCP_VENV) with the project and its extras at the versions pinned in
 # deploy/constraints.txt (deploy/setup-venv.sh), and .venv-ovep with onnxruntime-openvino
 # (deploy/setup-venv-ovep.sh).
@@ -20,6 +21,14 @@ apt_install() {
 
 if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
   apt_install mosquitto "the broker the integration tests run"
+fi
+# systemd-analyze checks the systemd units under deploy/systemd (verify, security --offline).
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+  apt_install systemd "tests/integration/test_deploy_files.py runs systemd-analyze"
+fi
+# promtool checks the Prometheus alert rules under deploy/observability.
+if ! command -v promtool >/dev/null 2>&1; then
+  apt_install prometheus "tests/integration/test_observability_files.py runs promtool"
 fi
 if [ ! -x /usr/bin/chromium ]; then
   apt_install chromium "the browser tests in tests/ui/ drive it"

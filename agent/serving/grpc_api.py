@@ -242,6 +242,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     def __init__(self, front: FrontDoor) -> None:
         self.front = front
+        self.tracing = front.tracing
         self.manager: ModelManager = front.manager
         self.metrics = front.manager.metrics
         self._payload = self.metrics.payload_bytes.labels("grpc")
@@ -349,11 +350,39 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
 
     # ----------------------------------------------------------------- inference
     async def ModelInfer(self, request: Any, context: Any) -> Any:
+        if self.tracing is not None:
+            return await self._infer_traced(request, context)
         try:
             return await self._infer(request, context)
         except GrpcError as e:
             await context.abort(e.status, str(e))
             raise  # abort raises; this line is never reached
+
+    async def _infer_traced(self, request: Any, context: Any) -> Any:
+        """ModelInfer inside a server span continuing the caller's trace (a ``traceparent``
+        metadata entry)."""
+        tracing = self.tracing
+        assert tracing is not None
+        meta = dict((k, v) for k, v in (context.invocation_metadata() or ()) if isinstance(v, str))
+        attributes = {"rpc.system": "grpc", "rpc.service": "inference.GRPCInferenceService",
+                      "rpc.method": "ModelInfer", "mcp.protocol": "grpc",
+                      "mcp.model": request.model_name}  # fmt: skip
+        with tracing.tracer.start_as_current_span(
+            "inference.GRPCInferenceService/ModelInfer",
+            context=tracing.context(meta.get("traceparent")),
+            kind=tracing.kind.SERVER,
+            attributes=attributes,
+        ) as span:
+            try:
+                response = await self._infer(request, context)
+            except GrpcError as e:
+                span.set_attribute("rpc.grpc.status_code", e.status.value[0])
+                tracing.error(span, str(e))
+                await context.abort(e.status, str(e))
+                raise
+            span.set_attribute("rpc.grpc.status_code", 0)
+            span.set_attribute("mcp.version", response.model_version)
+            return response
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[Any], context: Any

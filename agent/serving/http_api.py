@@ -41,12 +41,18 @@ import logging
 import math
 import time
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from mcp_edge.agent.runtime.manager import LoadedVersion, ModelManager, ModelNotFoundError
-from mcp_edge.agent.serving.http_server import HttpRequest, HttpResponse, HttpServer, Router
+from mcp_edge.agent.serving.http_server import (
+    Handler,
+    HttpRequest,
+    HttpResponse,
+    HttpServer,
+    Router,
+)
 from mcp_edge.agent.serving.model_control import check_parameters
 from mcp_edge.agent.serving.oip import Call, answer_tensors, decode_binary_request, rows_of
 from mcp_edge.agent.serving.preprocess import prepare_v1_inputs, top_k
@@ -61,6 +67,9 @@ from mcp_edge.agent.serving.service import FrontDoor
 from mcp_edge.agent.serving.tensor_io import decode_feeds, encode_response
 from mcp_edge.shared.errors import MessageError
 from mcp_edge.shared.protocol.wire import ErrorCode, loads
+
+if TYPE_CHECKING:
+    from mcp_edge.shared.tracing import Tracing
 
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -168,6 +177,7 @@ class Handlers:
     def __init__(self, front: FrontDoor, max_body: int) -> None:
         manager = front.manager
         self.front = front
+        self._tracing = front.tracing
         self.manager = manager
         self.metrics = manager.metrics
         self.max_body = max_body
@@ -272,6 +282,8 @@ class Handlers:
         finally:
             active.dec()
             self._active -= 1
+        if self._tracing is not None:
+            self._tracing.annotate(mcp_version=answered.version)
         elapsed = self._succeeded(answered, "v2", t0)
         answered.statistics.on_success(
             elapsed, rows_of(call.feeds), t_in - t0, time.perf_counter() - t_out
@@ -435,13 +447,42 @@ class Handlers:
         )
 
 
-def build_router(handlers: Handlers) -> Router:
-    """Every route of the API to its handler."""
+def traced(tracing: Tracing, route: str, handler: Handler) -> Handler:
+    """``handler`` inside a server span (``POST {route}``) that continues the caller's trace
+    (a ``traceparent`` header) and records the model, version and status."""
+    tracer, kind = tracing.tracer, tracing.kind.SERVER
+
+    async def run(request: HttpRequest) -> HttpResponse:
+        parent = tracing.context(request.headers.get("traceparent"))
+        attributes = {"http.request.method": request.method, "http.route": route,
+                      "mcp.protocol": "http"}  # fmt: skip
+        with tracer.start_as_current_span(
+            f"{request.method} {route}", context=parent, kind=kind, attributes=attributes
+        ) as span:
+            model = request.match_info.get("model")
+            if model:
+                span.set_attribute("mcp.model", model)
+            response = await handler(request)
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 400:
+                tracing.error(span, f"HTTP {response.status}")
+        return response
+
+    return run
+
+
+def build_router(handlers: Handlers, tracing: Tracing | None = None) -> Router:
+    """Every route of the API to its handler (inference inside spans with ``tracing``)."""
     h = handlers
+
+    def infer(route: str, handler: Handler) -> Handler:
+        return handler if tracing is None else traced(tracing, route, handler)
+
     r = Router()
-    r.add("POST", "/v2/models/{model}/infer", h.infer_v2)
-    r.add("POST", "/v2/models/{model}/versions/{version}/infer", h.infer_v2)
-    r.add("POST", "/v1/infer", h.infer_v1)
+    r.add("POST", "/v2/models/{model}/infer", infer("/v2/models/{model}/infer", h.infer_v2))
+    r.add("POST", "/v2/models/{model}/versions/{version}/infer",
+          infer("/v2/models/{model}/versions/{version}/infer", h.infer_v2))  # fmt: skip
+    r.add("POST", "/v1/infer", infer("/v1/infer", h.infer_v1))
     r.add("GET", "/v2", h.server_metadata)
     r.add("GET", "/v2/health/live", h.live)
     r.add("GET", "/v2/health/ready", h.ready)
@@ -481,4 +522,5 @@ def build_server(
     :meth:`HttpServer.start`."""
     front = front or FrontDoor(manager)
     handlers = Handlers(front, max_body)
-    return HttpServer(build_router(handlers), _no_route, max_body=max_body, access_log=access_log)
+    router = build_router(handlers, front.tracing)
+    return HttpServer(router, _no_route, max_body=max_body, access_log=access_log)

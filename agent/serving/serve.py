@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from mcp_edge.agent.serving.grpc_api import GrpcServer
     from mcp_edge.agent.serving.workers import ReplicaGroup
     from mcp_edge.shared.signing import PublicKey
+    from mcp_edge.shared.tracing import Tracing
 
 log = logging.getLogger("mcp.agent")
 
@@ -103,6 +104,8 @@ class ServeConfig:
     model_control: str = "poll"
     """``poll``: reload model files as they change; ``explicit``: load and unload only through
     the repository API (no watcher)."""
+    otlp_endpoint: str | None = None
+    """Where traces go (OTLP/HTTP); None: no tracing (:mod:`shared.tracing`)."""
 
 
 def serving_processes(config: ServeConfig, profile: HardwareProfile) -> int:
@@ -200,12 +203,17 @@ Attach = Callable[[ModelManager, HardwareProfile], AbstractAsyncContextManager[o
 
 
 async def run_server(
-    config: ServeConfig, *, ready: asyncio.Event | None = None, attach: Attach | None = None
+    config: ServeConfig,
+    *,
+    ready: asyncio.Event | None = None,
+    attach: Attach | None = None,
+    tracing: Tracing | None = None,
 ) -> None:
     """Load the models, serve until SIGINT/SIGTERM (or cancellation), then drain and stop.
 
     ``attach`` is entered once the models are loaded and the HTTP server listens, and left
-    before the server stops (``mcp-agent run`` attaches its fleet session here).
+    before the server stops (``mcp-agent run`` attaches its fleet session here). ``tracing``:
+    where inference spans go (the caller owns it and shuts it down); None: no tracing.
     """
     profile, reasons = choose_profile(config.profile)
     log.info("profile %s (%s)", profile.name, "; ".join(reasons[:3]))
@@ -237,7 +245,7 @@ async def run_server(
             )
             watcher.start()
     control = ModelControl(manager, model_dir, explicit=config.model_control == "explicit")
-    front = FrontDoor(manager, control=control)
+    front = FrontDoor(manager, control=control, tracing=tracing)
     http = build_server(
         manager,
         max_body=config.max_body,
@@ -375,6 +383,13 @@ def _announce(
         _say("no model yet; model files put under --model-path load as they appear")
 
 
+def agent_tracing(endpoint: str | None) -> Tracing | None:
+    """The agent's :class:`Tracing` for ``endpoint`` (None: off). Raises McpError."""
+    from mcp_edge.shared.tracing import setup_tracing
+
+    return setup_tracing("mcp-agent", endpoint)
+
+
 def _install_event_loop() -> None:
     try:
         import uvloop
@@ -383,11 +398,18 @@ def _install_event_loop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-def run_until_stopped(config: ServeConfig, attach: Attach | None = None) -> None:
-    """The CLI side of :func:`run_server`: uvloop where available. Expected failures
+def run_until_stopped(
+    config: ServeConfig, attach: Attach | None = None, tracing: Tracing | None = None
+) -> None:
+    """The CLI side of :func:`run_server`: uvloop where available; ``tracing`` is shut down
+    (its last spans sent) when the server has stopped. Expected failures
     (:class:`McpError`, OSError) propagate for the command line to print in one line."""
     _install_event_loop()
-    asyncio.run(run_server(config, attach=attach))
+    try:
+        asyncio.run(run_server(config, attach=attach, tracing=tracing))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
 
 
 # ---------------------------------------------------------------------------- options
@@ -506,6 +528,14 @@ _SERVING_OPTIONS: tuple[_OptionDecorator, ...] = (
         "(0: one per four cores, 1 to 8; default: the profile's runtime.processes).",
     ),
     click.option(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="Send OpenTelemetry traces (each inference request; with run, each deployment) "
+        "over OTLP/HTTP to URL (an OpenTelemetry Collector: http://collector:4318). Default: "
+        "no tracing.",
+    ),
+    click.option(
         "--model-control",
         type=click.Choice(["poll", "explicit"]),
         default="poll",
@@ -539,6 +569,7 @@ class ServingOptions:
     access_log: bool
     grpc_port: int | None
     processes: int | None
+    otlp_endpoint: str | None
     model_control: str
 
     @property
@@ -583,6 +614,7 @@ class ServingOptions:
             grpc_port=self.grpc_port,
             processes=self.processes,
             model_control=self.model_control,
+            otlp_endpoint=self.otlp_endpoint,
         )
 
 
@@ -696,4 +728,4 @@ def serve_command(
         from mcp_edge.shared.protocol.state import DriftPolicy
 
         attach = local_drift(DriftPolicy(sample_every=drift_sample_every))
-    run_until_stopped(config, attach)
+    run_until_stopped(config, attach, agent_tracing(config.otlp_endpoint))

@@ -11,7 +11,7 @@ reaches the other processes; a single process has none.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mcp_edge.agent import __version__
 from mcp_edge.agent.runtime.batcher import BatchingConfig
@@ -22,6 +22,9 @@ from mcp_edge.agent.serving.model_control import ModelControl
 from mcp_edge.agent.serving.requests import RequestError
 from mcp_edge.agent.serving.triton import EXTENSIONS, PLATFORMS, model_config
 from mcp_edge.shared.protocol.wire import ErrorCode
+
+if TYPE_CHECKING:
+    from mcp_edge.shared.tracing import Tracing
 
 SERVER_NAME = "mcp-edge-agent"
 
@@ -55,10 +58,13 @@ class FrontDoor:
         *,
         control: ModelControl | None = None,
         cluster: Cluster | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.manager = manager
         self.control = control
         self.cluster = cluster
+        self.tracing = tracing
+        """Where inference spans go (HTTP and gRPC); None: tracing off."""
 
     @property
     def batching(self) -> BatchingConfig:

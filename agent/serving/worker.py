@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from mcp_edge.agent.serving.grpc_api import GrpcServer
     from mcp_edge.agent.serving.http_server import HttpServer
     from mcp_edge.agent.serving.service import FrontDoor
+    from mcp_edge.shared.tracing import Tracing
 
 log = logging.getLogger("mcp.agent.workers")
 
@@ -125,6 +126,7 @@ class Worker:
         self.manager: ModelManager | None = None
         self.front: FrontDoor | None = None
         self.http: HttpServer | None = None
+        self.tracing: Tracing | None = None
         self.grpc: GrpcServer | None = None
         self.forwarder = Forwarder()
         self.pending: dict[tuple[str, str], LoadedVersion] = {}
@@ -181,7 +183,7 @@ class Worker:
 
     async def _init(self, settings: WorkerSettings) -> int:
         from mcp_edge.agent.serving.http_api import build_server
-        from mcp_edge.agent.serving.serve import build_manager, choose_profile
+        from mcp_edge.agent.serving.serve import agent_tracing, build_manager, choose_profile
         from mcp_edge.agent.serving.service import FrontDoor
         from mcp_edge.shared.cli_style import setup_logging
 
@@ -195,7 +197,12 @@ class Worker:
         manager.drift = self.forwarder
         manager.metrics.processes.set(settings.processes)
         assert self.channel is not None
-        front = FrontDoor(manager, cluster=PrimaryLink(self.channel, settings.processes))
+        self.tracing = agent_tracing(config.otlp_endpoint)
+        front = FrontDoor(
+            manager,
+            cluster=PrimaryLink(self.channel, settings.processes),
+            tracing=self.tracing,
+        )
         self.manager, self.front = manager, front
         access = logging.getLogger("mcp.agent") if config.access_log else None
         self.http = build_server(manager, max_body=config.max_body, front=front, access_log=access)
@@ -242,6 +249,8 @@ class Worker:
             await lv.close()
         if self.manager is not None:
             await self.manager.close()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 def _name_records(index: int) -> None:

@@ -64,9 +64,11 @@ from mcp_edge.shared.signing import PublicKey
 
 if TYPE_CHECKING:
     from mcp_edge.agent.update.records import UpdateRecord
+    from mcp_edge.agent.update.spans import DeploymentSpans
     from mcp_edge.agent.update.steps import DeploymentRunner, PhaseHook, RetryPolicy
     from mcp_edge.agent.update.tuf_client import TufClient
     from mcp_edge.shared.protocol.state import DesiredModel, DesiredState, TargetRef
+    from mcp_edge.shared.tracing import Tracing
 
 log = logging.getLogger("mcp.agent.update")
 
@@ -83,6 +85,10 @@ class UpdateSink(Protocol):
     async def publish_reported(self, state: StateReport) -> None: ...
 
 
+EventObserver = Callable[["UpdateRecord", Phase, EventOutcome, str, "float | None"], None]
+"""Sees each deployment event: record, phase, outcome, message, elapsed ms."""
+
+
 class FlightRecorder:
     """Numbers deployment events (persisted counter), keeps the recent ones, and sends them in
     order to the sink. ``record`` is thread-safe (download progress comes from a thread)."""
@@ -91,6 +97,8 @@ class FlightRecorder:
         self.store, self.device_id, self.clock = store, device_id, clock
         self.sink: UpdateSink | None = None
         self.recent: collections.deque[EventReport] = collections.deque(maxlen=256)
+        self.observer: EventObserver | None = None
+        """Also sees every event (deployment spans); called under the recorder's lock."""
         self._pending: collections.deque[EventReport] = collections.deque()
         self._lock = threading.Lock()
 
@@ -107,6 +115,11 @@ class FlightRecorder:
             )  # fmt: skip
             self.recent.append(event)
             self._pending.append(event)
+            if self.observer is not None:
+                try:
+                    self.observer(rec, phase, outcome, event.message, elapsed_ms)
+                except Exception:  # tracing never fails a deployment
+                    log.exception("deployment event observer failed")
         return event
 
     def refused(self, model: str, version: str, cause: str, message: str) -> EventReport:
@@ -155,6 +168,7 @@ class UpdateAgent:
         sleep: awaited between retries.
         disk_usage: ``shutil.disk_usage``-like, for the free-disk check.
         backends: reported as the device's backends.
+        tracing: where deployment spans go (:mod:`agent.update.spans`); None: off.
     """
 
     def __init__(
@@ -174,6 +188,7 @@ class UpdateAgent:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         disk_usage: DiskUsageFn = shutil.disk_usage,
         backends: Iterable[str] = (),
+        tracing: Tracing | None = None,
     ) -> None:
         self.state_dir = Path(state_dir)
         self.device_id = device_id
@@ -186,6 +201,12 @@ class UpdateAgent:
         self.store = ModelStore(self.state_dir, disk_usage=disk_usage)
         self.recorder = FlightRecorder(self.store, device_id, clock)
         self.recorder.sink = events
+        self.spans: DeploymentSpans | None = None
+        if tracing is not None:
+            from mcp_edge.agent.update.spans import DeploymentSpans
+
+            self.spans = DeploymentSpans(tracing, device_id)
+            self.recorder.observer = self.spans.on_event
         root = tuf_root if tuf_root is not None else load_bootstrap_root(self.state_dir)
         self._tuf_root = root
         self._runner_args = (sleep, retry, phase_hook)
@@ -271,6 +292,8 @@ class UpdateAgent:
                 await self.recorder.flush()
                 raise
             log.info("desired state seq %d accepted (%d models)", state.seq, len(state.models))
+            if self.spans is not None:
+                self.spans.begin(state.seq, state.traceparent)
             await asyncio.to_thread(self._save_desired, state.seq, self.applied_seq, envelope)
             await self._converge(state, envelope)
 

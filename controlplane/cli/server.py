@@ -259,18 +259,28 @@ def _init_repository(settings: Settings) -> None:
 @data_dir_option(_DATA_DIR_HELP)
 @click.option("--database-url", help="Overrides the data dir's config.")
 @click.option("--listen", help="HOST:PORT (default 127.0.0.1:8080; port 0 picks a free one).")
+@click.option(
+    "--otlp-endpoint",
+    envvar="MCP_OTLP_ENDPOINT",
+    metavar="URL",
+    help="Send OpenTelemetry traces (deploy calls, carried to the devices) over OTLP/HTTP "
+    "to URL (an OpenTelemetry Collector: http://collector:4318). Default: no tracing.",
+)
 @log_options
 def serve(
     data_dir: Path | None,
     database_url: str | None,
     listen: str | None,
+    otlp_endpoint: str | None,
     log_level: str,
     log_format: str,
 ) -> None:
     """Run the control plane: migrate the database, then serve REST, /metrics, /healthz, and
     (with a broker admin configured) per-device broker accounts and telemetry ingestion."""
     configure_logging(log_level, log_format)
-    settings = cli_settings(data_dir, database_url=database_url, listen=listen)
+    settings = cli_settings(
+        data_dir, database_url=database_url, listen=listen, otlp_endpoint=otlp_endpoint
+    )
     if not settings.data_dir.is_dir():
         raise click.ClickException(
             f"{settings.data_dir} does not exist; run `mcp-controlplane init` first"

@@ -191,6 +191,19 @@ class DesiredState(Message):
     expires: AwareDatetime
     models: list[DesiredModel] = Field(default_factory=list, max_length=64)
     telemetry: TelemetryPolicy = Field(default_factory=TelemetryPolicy)
+    traceparent: str | None = Field(
+        default=None, pattern=r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$"
+    )
+    """The W3C trace context of the deploy call that issued this state (tracing on at the
+    control plane): the device's deployment spans continue that trace. Left out of the
+    encoded document while None, so an agent that predates it accepts documents without."""
+
+    @model_serializer(mode="wrap")
+    def _compact(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if data.get("traceparent") is None:
+            data.pop("traceparent", None)
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> DesiredState:
