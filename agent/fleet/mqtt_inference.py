@@ -40,6 +40,7 @@ from mcp_edge.agent.serving.oip import Call, answer_tensors, rows_of
 from mcp_edge.agent.serving.requests import (
     MQTT_PROPERTIES,
     RequestError,
+    SuccessCounter,
     classify,
     count_failure,
     parse_options,
@@ -121,6 +122,7 @@ class MqttInference:
                 f"max_reply_bytes must be in 1024..{MAX_INFER_RESPONSE_BYTES}, not {max_reply_bytes}"
             )
         self.manager = manager
+        self._ok = SuccessCounter(manager)
         self.device_id = topics.validate_id(device_id, "device id")
         self.mqtt = mqtt
         self.metrics = metrics
@@ -236,9 +238,7 @@ class MqttInference:
             return error_body(err), err.code
         finally:
             m.active.dec()
-        elapsed = time.perf_counter() - t0
-        m.requests.labels(model, "mqtt", "200").inc()
-        m.latency.labels(answered.name, answered.version).observe(elapsed)
+        elapsed = self._ok.count(answered, "mqtt", t0)
         answered.statistics.on_success(elapsed, rows_of(call.feeds), 0.0, 0.0)
         return body, None
 

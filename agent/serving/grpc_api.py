@@ -54,6 +54,7 @@ from mcp_edge.agent.serving.oip import (
 from mcp_edge.agent.serving.requests import (
     OptionNames,
     RequestError,
+    SuccessCounter,
     classify,
     count_failure,
     parse_options,
@@ -247,7 +248,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         self.metrics = front.manager.metrics
         self._payload = self.metrics.payload_bytes.labels("grpc")
         self._active = 0
-        self._ok: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._ok = SuccessCounter(front.manager)
 
     # ----------------------------------------------------------------- health, metadata
     async def ServerLive(self, request: Any, context: Any) -> Any:
@@ -473,7 +474,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         finally:
             m.active.dec()
             self._active -= 1
-        elapsed = self._succeeded(answered, t0)
+        elapsed = self._ok.count(answered, "grpc", t0)
         answered.statistics.on_success(
             elapsed, rows_of(call.feeds), t_in - t0, time.perf_counter() - t_out
         )
@@ -485,19 +486,6 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type:
         err = classify(e)
         count_failure(self.manager, model, "grpc", err, lv, ran, time.perf_counter() - started)
         return GrpcError(GRPC_STATUS[err.code], str(err))
-
-    def _succeeded(self, lv: LoadedVersion, started: float) -> float:
-        key = (lv.name, lv.version)
-        children = self._ok.get(key)
-        if children is None:
-            children = self._ok[key] = (
-                self.metrics.requests.labels(lv.name, "grpc", "200"),
-                self.metrics.latency.labels(lv.name, lv.version),
-            )
-        elapsed = time.perf_counter() - started
-        children[0].inc()
-        children[1].observe(elapsed)
-        return elapsed
 
 
 def _none(name: str) -> str | None:

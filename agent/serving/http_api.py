@@ -59,6 +59,7 @@ from mcp_edge.agent.serving.preprocess import prepare_v1_inputs, top_k
 from mcp_edge.agent.serving.requests import (
     HTTP_HEADERS,
     RequestError,
+    SuccessCounter,
     classify,
     count_failure,
     parse_options,
@@ -181,7 +182,7 @@ class Handlers:
         self.manager = manager
         self.metrics = manager.metrics
         self.max_body = max_body
-        self._ok: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._ok = SuccessCounter(manager)
         self._active = 0  # /v2 inference requests in progress (a hint for batching)
         self._payload = {p: self.metrics.payload_bytes.labels(p) for p in ("v1", "v2")}
 
@@ -194,20 +195,6 @@ class Handlers:
         err = _classify(e)
         count_failure(self.manager, model, protocol, err, lv, ran, time.perf_counter() - started)
         return _error(err)
-
-    def _succeeded(self, lv: LoadedVersion, protocol: str, started: float) -> float:
-        key = (lv.name, lv.version, protocol)
-        children = self._ok.get(key)
-        if children is None:
-            children = (
-                self.metrics.requests.labels(lv.name, protocol, "200"),
-                self.metrics.latency.labels(lv.name, lv.version),
-            )
-            self._ok[key] = children
-        children[0].inc()
-        elapsed = time.perf_counter() - started
-        children[1].observe(elapsed)
-        return elapsed
 
     def _body(self, request: HttpRequest, protocol: str) -> bytes:
         # The server has read the whole body within the cap (413 past it) before routing.
@@ -284,7 +271,7 @@ class Handlers:
             self._active -= 1
         if self._tracing is not None:
             self._tracing.annotate(mcp_version=answered.version)
-        elapsed = self._succeeded(answered, "v2", t0)
+        elapsed = self._ok.count(answered, "v2", t0)
         answered.statistics.on_success(
             elapsed, rows_of(call.feeds), t_in - t0, time.perf_counter() - t_out
         )
@@ -333,7 +320,7 @@ class Handlers:
             return self._failed(model, "v1", e, lv, ran, t0)
         finally:
             self.metrics.active.dec()
-        elapsed = self._succeeded(answered, "v1", t0)
+        elapsed = self._ok.count(answered, "v1", t0)
         answered.statistics.on_success(elapsed, rows_of(feeds), 0.0, 0.0)
         return response
 

@@ -41,8 +41,9 @@ code. This module imports no transport library.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from mcp_edge.agent.runtime.batcher import (
     BatcherClosedError,
@@ -101,6 +102,32 @@ def outcome_for(err: RequestError) -> Outcome:
     if err.code is ErrorCode.OVERLOADED or err.code is ErrorCode.TIMEOUT:
         return Outcome.REJECTED
     return Outcome.ERROR
+
+
+class SuccessCounter:
+    """Counts answered requests on every transport: the requests counter (code 200) and the
+    latency histogram, their label children kept per (model, version, protocol) so that the
+    hot path looks them up once."""
+
+    def __init__(self, manager: ModelManager) -> None:
+        self._metrics = manager.metrics
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+    def count(self, lv: LoadedVersion, protocol: str, started: float) -> float:
+        """Count one request ``lv`` answered over ``protocol``; its seconds since ``started``
+        (a ``time.perf_counter()`` reading)."""
+        key = (lv.name, lv.version, protocol)
+        children = self._children.get(key)
+        if children is None:
+            m = self._metrics
+            children = self._children[key] = (
+                m.requests.labels(lv.name, protocol, "200"),
+                m.latency.labels(lv.name, lv.version),
+            )
+        elapsed = time.perf_counter() - started
+        children[0].inc()
+        children[1].observe(elapsed)
+        return elapsed
 
 
 def count_failure(
