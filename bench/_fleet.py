@@ -408,13 +408,13 @@ async def _ingest_main(args: argparse.Namespace) -> dict[str, Any]:
     marks = {"first": 0, "last": 0, "received": 0, "last_commit": 0, "committed": 0, "flushes": 0}
 
     class TimedIngest(IngestService):
-        def handle(self, topic: str, payload: bytes) -> None:
+        def handle(self, topic: str, payload: bytes, ack: int = 0) -> None:
             now = time.monotonic_ns()
             if not marks["received"]:
                 marks["first"] = now
             marks["last"] = now
             marks["received"] += 1
-            super().handle(topic, payload)
+            super().handle(topic, payload, ack)
 
         async def flush(self) -> int:
             n = await super().flush()

@@ -92,8 +92,9 @@ class DesiredReconciler:
 
     # ---- called on the loop by the MQTT session -------------------------------------------
 
-    def handle(self, topic: str, payload: bytes) -> None:
-        """One message on a ``desired`` topic: note it for the next comparison."""
+    def handle(self, topic: str, payload: bytes, _ack: int = 0) -> None:
+        """One message on a ``desired`` topic: note it for the next comparison (acknowledged
+        by the session as it arrives: nothing here needs to survive a crash)."""
         try:
             parsed = topics.parse(topic)
         except TopicError:

@@ -157,6 +157,9 @@ class _Batch:
     status: dict[str, bool] = field(default_factory=dict)
     drift: list[DriftSample] = field(default_factory=list)
     messages: list[tuple[str, str]] = field(default_factory=list)
+    acks: list[int] = field(default_factory=list)
+    """Ack tokens of every message taken while this batch was pending, dropped ones too:
+    acknowledged once the batch is committed (or dropped for good)."""
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -186,6 +189,7 @@ class _Batch:
             status={**self.status, **later.status},
             drift=self.drift + later.drift,
             messages=self.messages + later.messages,
+            acks=self.acks + later.acks,
         )
 
 
@@ -273,13 +277,15 @@ class IngestService:
             connection.credentials,
             subscriptions(self._share_group),
             self.handle,
+            ack_when_stored=True,
         )
+        self._subscriber = subscriber  # before the first message: flushes acknowledge on it
         try:
             await subscriber.start()
         except BaseException:
+            self._subscriber = None
             await self._stop_tasks()
             raise
-        self._subscriber = subscriber
         log.info(
             "ingesting device telemetry from %s as %s",
             subscriber.where,
@@ -292,8 +298,10 @@ class IngestService:
         return self._subscriber
 
     async def stop(self) -> None:
-        """Close the broker session, stop the tasks, and commit what is still buffered."""
+        """Commit what is buffered (acknowledged on the live session), close the broker session,
+        stop the tasks, and commit what arrived meanwhile."""
         if self._subscriber is not None:
+            await self.flush()
             await self._subscriber.close()
             self._subscriber = None
         await self._stop_tasks()
@@ -309,8 +317,11 @@ class IngestService:
 
     # ---- intake (event-loop thread) --------------------------------------------------------
 
-    def handle(self, topic: str, payload: bytes) -> None:
-        """Validate one message and buffer its rows; drops are counted, never raised."""
+    def handle(self, topic: str, payload: bytes, ack: int = 0) -> None:
+        """Validate one message and buffer its rows; drops are counted, never raised. ``ack``
+        (the session's token, 0 for none) is acknowledged once the rows are committed."""
+        if ack:
+            self._pending.acks.append(ack)
         try:
             self._take(topic, bytes(payload))
         except _Dropped as e:
@@ -469,6 +480,7 @@ class IngestService:
         async with self._flush_lock:
             batch, self._pending = self._pending, _Batch()
             if not batch:
+                self._ack(batch)  # dropped messages only
                 return 0
             started = time.perf_counter()
             now = self._clock()
@@ -495,6 +507,7 @@ class IngestService:
             except DatabaseError as e:
                 self._drop(DropReason.DB_ERROR, "(batch)", str(e), count=len(batch))
                 self._drift_lost(DropReason.DB_ERROR, batch)
+                self._ack(batch)
                 return 0
             finally:
                 self._metrics.ingest_backlog.set(len(self._pending))
@@ -502,17 +515,28 @@ class IngestService:
             kinds = Counter(k for _, k in batch.messages)
             if batch.drift and self._drift is not None:
                 kinds.pop("drift", None)
-                await self._store_drift(batch.drift)
+                if await self._store_drift(batch.drift):
+                    self._pending.acks.extend(batch.acks)  # acknowledged with the retry
+                    batch.acks = []
             for kind, n in kinds.items():
                 self._metrics.ingest_committed.labels(kind).inc(n)
+            self._ack(batch)
             return len(batch)
+
+    def _ack(self, batch: _Batch) -> None:
+        """Acknowledge the batch's messages at the broker: they are stored (or dropped for
+        good). A session that reconnected since skips them, and the broker delivers them
+        again: a health sample or statistic may then be stored twice, never lost."""
+        if batch.acks and self._subscriber is not None:
+            self._subscriber.ack(batch.acks)
 
     def _drift_lost(self, reason: DropReason, batch: _Batch) -> None:
         if self._drift is not None and batch.drift:
             self._drift.refused(reason.value, len(batch.drift))
 
-    async def _store_drift(self, samples: list[DriftSample]) -> None:
-        """Hand the drift reports of a committed batch to the drift store (own transaction)."""
+    async def _store_drift(self, samples: list[DriftSample]) -> bool:
+        """Hand the drift reports of a committed batch to the drift store (own transaction);
+        True when they wait for the next flush (the database is unavailable)."""
         assert self._drift is not None
         try:
             result = await self._drift.store(samples)
@@ -523,15 +547,17 @@ class IngestService:
                 self._pending.drift[:0] = samples
                 self._pending.messages[:0] = [(s.device_id, "drift") for s in samples]
                 log.warning("ingest: database unavailable, %d drift reports wait", len(samples))
-            return
+                return True
+            return False
         except DatabaseError as e:
             self._drop(DropReason.DB_ERROR, DRIFT_SUFFIX, str(e), count=len(samples))
-            return
+            return False
         except Exception as e:  # a bug must cost one batch of drift reports, not the ingestion
             log.exception("ingest: storing %d drift reports failed", len(samples))
             self._drop(DropReason.INTERNAL, DRIFT_SUFFIX, repr(e), count=len(samples))
-            return
+            return False
         self._metrics.ingest_committed.labels("drift").inc(result.stored)
+        return False
 
     def _requeue(self, batch: _Batch, why: str) -> None:
         if len(batch) + len(self._pending) > self._max_backlog:

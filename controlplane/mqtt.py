@@ -43,11 +43,14 @@ from mcp_edge.shared.mqtt import (
 )
 
 CP_RECONNECT = ReconnectPolicy(first_delay_s=1.0, max_delay_s=30.0, jitter=0.5, stable_after_s=0)
+RECEIVE_MAXIMUM = 20_000
+"""Unacknowledged QoS 1 messages an ``ack_when_stored`` session lets the broker send: a few
+batches' worth (ingestion commits every 100 ms or 500 rows)."""
 """The control plane's sessions (and the broker admin session) wait 0.5-1 s after a loss,
 doubling to 15-30 s; any successful login resets the count."""
 
-TopicHandler = Callable[[str, bytes], None]
-"""Called on the event loop's thread with ``(topic, payload)`` for each delivered message."""
+TopicHandler = Callable[[str, bytes, int], None]
+"""``(topic, payload, ack_token)``: see :data:`mcp_edge.shared.mqtt.connection.TopicHandler`."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,12 @@ class MqttSubscriber:
     again (first start and every reconnect), inside the read that brought the SUBACK: the
     retained messages follow it (every filter asks for them on each subscription).
 
+    ``ack_when_stored``: the handler's QoS 1 messages are acknowledged only by :meth:`ack`,
+    which ingestion calls once their rows are committed; a replica killed in between leaves
+    them unacknowledged, and the broker delivers them again (to its restart, or to another
+    member of the share group when the session ends). The session asks for a Receive Maximum
+    of :data:`RECEIVE_MAXIMUM`, so a batch waiting for its commit does not stall delivery.
+
     ``session_expiry_s``: after a crash or a lost connection the broker keeps the session (and
     queues its QoS 1 messages, including its turn of every shared subscription) this long, so
     a process restarted with the same client id misses nothing. :meth:`close` ends the session
@@ -106,6 +115,7 @@ class MqttSubscriber:
         timeout_s: float = 10.0,
         max_inflight: int = 20,
         reconnect: ReconnectPolicy = CP_RECONNECT,
+        ack_when_stored: bool = False,
     ) -> None:
         if filters and (handler is None) == (on_message is None):
             raise ValueError("give exactly one of handler and on_message")
@@ -122,6 +132,8 @@ class MqttSubscriber:
             tls=ssl.create_default_context() if address.tls else None,
             connect_timeout_s=timeout_s, ack_timeout_s=timeout_s,
             max_inflight_messages=max_inflight,
+            manual_ack=ack_when_stored and handler is not None,
+            receive_maximum=RECEIVE_MAXIMUM if ack_when_stored else None,
         ))  # fmt: skip
         if handler is not None:
             self._client.set_topic_handler(handler)
@@ -150,6 +162,11 @@ class MqttSubscriber:
     def problem(self) -> str | None:
         """Why the session is not up (a refused login, an unreachable broker); None when up."""
         return self._session.problem
+
+    def ack(self, tokens: Sequence[int]) -> int:
+        """Acknowledge messages by the tokens the handler got (``ack_when_stored``); see
+        :meth:`MqttClient.ack`."""
+        return self._client.ack(tokens)
 
     async def __aenter__(self) -> MqttSubscriber:
         await self.start()

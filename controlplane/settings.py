@@ -21,6 +21,7 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     desired_ttl_s = 604800                      # lifetime of a signed desired state (re-signed at half)
     repository_http = true                      # false: /repo/... answers 403 (MQTT only)
     replica_name = "cp-east-1"                  # absent: cp-{host}-{id kept in the data dir}
+    shared_dir = "/srv/mcp-shared"              # absent: the data dir; repository/ and keys/
     inference_interval_s = 30.0                 # how often devices send inference statistics
     rollout_lease_s = 15.0                      # a dead replica's rollouts move on after this
     drift_max_reports_per_minute = 60           # per device; more are refused (docs/drift.md)
@@ -48,8 +49,8 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
 Webhooks are read from the file (or ``overrides``) only, never from the environment.
 
 Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES``, ``MCP_REPOSITORY_HTTP``,
-``MCP_REPLICA_NAME``, ``MCP_INFERENCE_INTERVAL_S``, ``MCP_ROLLOUT_LEASE_S`` and
-``MCP_OTLP_ENDPOINT``.
+``MCP_REPLICA_NAME``, ``MCP_SHARED_DIR``, ``MCP_INFERENCE_INTERVAL_S``, ``MCP_ROLLOUT_LEASE_S``
+and ``MCP_OTLP_ENDPOINT``.
 """
 
 from __future__ import annotations
@@ -305,6 +306,11 @@ class Settings:
     replica_name: str | None = None
     """This replica's broker identity; None: ``cp-{host}-{id}``, the id kept in the data dir
     (:mod:`controlplane.replica`)."""
+    shared_dir: Path | None = None
+    """Where the TUF repository (``repository/``) and its online keys (``keys/``) live; None:
+    the data dir. Replicas on one database point theirs at one directory (a volume every
+    replica mounts, with working ``flock``) and so serve one repository: writers take the
+    repository's file lock, so one replica at a time signs (docs/operations.md)."""
     inference_interval_s: float = 30.0
     """How often devices send inference statistics (their desired state's telemetry policy):
     the rollout gates judge on them, so a shorter interval decides stages sooner."""
@@ -356,6 +362,11 @@ class Settings:
     @property
     def config_path(self) -> Path:
         return self.data_dir / CONFIG_FILE
+
+    @property
+    def repository_root(self) -> Path:
+        """The directory holding ``repository/`` and ``keys/``: ``shared_dir`` or the data dir."""
+        return self.shared_dir if self.shared_dir is not None else self.data_dir
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -485,6 +496,8 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
             changes["drift_report_retention_hours"] = hours
         if values.get("replica_name"):
             changes["replica_name"] = valid_replica_name(str(values["replica_name"]))
+        if values.get("shared_dir"):
+            changes["shared_dir"] = Path(str(values["shared_dir"])).expanduser().absolute()
         if values.get("otlp_endpoint"):
             endpoint = str(values["otlp_endpoint"])
             if not endpoint.startswith(("http://", "https://")) or len(endpoint) > 2048:
@@ -536,6 +549,7 @@ def load_settings(
         "max_bundle_bytes": env.get("MCP_MAX_BUNDLE_BYTES") or None,
         "repository_http": env.get("MCP_REPOSITORY_HTTP") or None,
         "replica_name": env.get("MCP_REPLICA_NAME") or None,
+        "shared_dir": env.get("MCP_SHARED_DIR") or None,
         "inference_interval_s": env.get("MCP_INFERENCE_INTERVAL_S") or None,
         "rollout_lease_s": env.get("MCP_ROLLOUT_LEASE_S") or None,
         "otlp_endpoint": env.get("MCP_OTLP_ENDPOINT") or None,
@@ -583,6 +597,8 @@ def write_config_file(settings: Settings) -> Path:
     values["ui_session_hours"] = settings.ui_session_hours
     if settings.replica_name:
         values["replica_name"] = settings.replica_name
+    if settings.shared_dir is not None:
+        values["shared_dir"] = str(settings.shared_dir)
     if settings.otlp_endpoint:
         values["otlp_endpoint"] = settings.otlp_endpoint
     text = "# Written by mcp-controlplane init; edit freely.\n" + "".join(

@@ -100,6 +100,12 @@ def install_event_loop() -> str:
     type=click.IntRange(min=1),
     help="Keep health samples this many days (default 7).",
 )
+@click.option(
+    "--shared-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory every replica mounts, holding the one TUF repository and its keys "
+    "(default: the data dir).",
+)
 def init(
     data_dir: Path | None,
     database_url: str | None,
@@ -112,6 +118,7 @@ def init(
     broker_admin_user: str | None,
     broker_admin_password_file: Path | None,
     telemetry_retention_days: int | None,
+    shared_dir: Path | None,
 ) -> None:
     """Create the data dir and database (or migrate them), and a first admin with an API token.
 
@@ -130,6 +137,7 @@ def init(
         broker_admin_user=broker_admin_user,
         broker_admin_password_file=broker_admin_password_file,
         telemetry_retention_days=telemetry_retention_days,
+        shared_dir=shared_dir,
     )
     if settings.broker_configured:
         try:
@@ -155,6 +163,7 @@ def init(
             "broker_admin_user",
             "broker_admin_password_file",
             "telemetry_retention_days",
+            "shared_dir",
         )
     )
     try:
@@ -241,7 +250,8 @@ async def _admin_needed(settings: Settings, admin_user: str | None) -> bool:
 
 
 def _init_repository(settings: Settings) -> None:
-    """Create the TUF repository and its keys in the data dir when they are missing."""
+    """Create the TUF repository and its keys (in the shared dir, else the data dir) when they
+    are missing; a replica joining a shared dir finds them present."""
     from mcp_edge.controlplane.repository.service import repository_for, repository_lock
 
     repo = repository_for(settings)

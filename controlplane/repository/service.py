@@ -121,10 +121,12 @@ class UnknownPublisherError(RegistryError):
 def repository_for(
     settings: Settings, clock: Clock | None = None, expiry: Expiry | None = None
 ) -> TufRepository:
-    """The TUF repository of a data dir: ``{data_dir}/repository`` signed with ``{data_dir}/keys``."""
+    """The control plane's TUF repository: ``{root}/repository`` signed with ``{root}/keys``,
+    where ``root`` is ``shared_dir`` when replicas share one, else the data dir."""
+    root = settings.repository_root
     return TufRepository(
-        settings.data_dir / REPOSITORY_DIR,
-        KeyStore(settings.data_dir / KEYS_DIR),
+        root / REPOSITORY_DIR,
+        KeyStore(root / KEYS_DIR),
         clock=clock,
         expiry=expiry,
     )

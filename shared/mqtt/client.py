@@ -281,12 +281,22 @@ class MqttClient:
         self._handler = handler
 
     def set_topic_handler(self, handler: TopicHandler | None) -> None:
-        """Like :meth:`set_handler`, for a subscriber that needs only ``(topic, payload)``
+        """Like :meth:`set_handler`, for a subscriber that needs only ``(topic, payload)`` and
+        an ack token
         (telemetry ingestion): no :class:`InboundMessage` is built, which saves most of the
         adapter's per-message cost. It takes precedence over :meth:`set_handler`."""
         self._topic_handler = handler
         if self._conn is not None:
             self._conn.topic_handler = handler
+
+    def ack(self, tokens: Sequence[int]) -> int:
+        """Acknowledge messages received with :attr:`MqttSettings.manual_ack` by their tokens
+        (the topic handler's third argument; 0s are skipped). Tokens of an earlier connection
+        are not sent: the broker delivers those messages again. Returns how many were sent."""
+        conn = self._conn
+        if conn is None or not tokens:
+            return 0
+        return conn.ack(t for t in tokens if t)
 
     def _undecodable(self) -> None:
         self.dropped_messages += 1

@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import ssl
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import paho.mqtt.client as paho
@@ -55,7 +56,15 @@ _MISC_INTERVAL_S = 1.0
 Refusals = list[tuple[str, int, str]]
 """Filters the broker refused: ``(filter, reason code, reason name)``."""
 SubackHook = Callable[[Refusals], None]
-TopicHandler = Callable[[str, bytes], None]
+TopicHandler = Callable[[str, bytes, int], None]
+"""``(topic, payload, ack_token)``; the token is 0 unless the client acknowledges by hand
+(:attr:`MqttSettings.manual_ack`) and the message is QoS 1: then pass it to
+:meth:`MqttClient.ack` once the message is dealt with."""
+
+ACK_EPOCH_SHIFT = 16
+"""An ack token is ``(connection epoch << 16) | packet id``: an acknowledgement of a message
+read on an earlier connection is never sent on a later one (the broker delivers it again)."""
+_epochs = itertools.count(1)
 
 
 class Connection:
@@ -74,8 +83,9 @@ class Connection:
         self._on_message = on_message
         self._on_undecodable = on_undecodable
         self.topic_handler: TopicHandler | None = None
-        """When set, messages go to it as ``(topic, payload)`` and no InboundMessage is built
-        (exceptions it raises are logged)."""
+        """When set, messages go to it as ``(topic, payload, ack_token)`` and no InboundMessage
+        is built (exceptions it raises are logged)."""
+        self.epoch = next(_epochs)
         self.connack: asyncio.Future[tuple[bool, ReasonCode]] = self.loop.create_future()
         self.closed: asyncio.Future[str] = self.loop.create_future()
         self.pending: dict[int, asyncio.Future[Any]] = {}
@@ -106,6 +116,8 @@ class Connection:
             props.SessionExpiryInterval = s.session_expiry_s
         if s.max_packet_bytes:
             props.MaximumPacketSize = s.max_packet_bytes
+        if s.receive_maximum:
+            props.ReceiveMaximum = s.receive_maximum
         bind_address, bind_port = s.source_address or ("", 0)
         connect = functools.partial(
             self.client.connect, s.host, s.port, keepalive=s.keepalive_s,
@@ -319,6 +331,8 @@ class Connection:
         client.enable_logger(logging.getLogger("mcp.mqtt.paho"))
         client.connect_timeout = s.connect_timeout_s
         client.max_inflight_messages_set(s.max_inflight_messages)
+        if s.manual_ack:
+            client.manual_ack_set(True)
         if s.username is not None:
             client.username_pw_set(s.username, s.password)
         if s.tls is not None:
@@ -385,8 +399,11 @@ class Connection:
             return
         topic_handler = self.topic_handler
         if topic_handler is not None:  # the telemetry path: no properties wanted
+            token = 0
+            if m.qos == 1 and self.settings.manual_ack:
+                token = (self.epoch << ACK_EPOCH_SHIFT) | m.mid
             try:
-                topic_handler(topic, bytes(m.payload))
+                topic_handler(topic, bytes(m.payload), token)
             except Exception:
                 log.exception("message handler failed on %.120s", topic)
             return
@@ -401,6 +418,22 @@ class Connection:
             tuple(getattr(props, "UserProperty", ()) or ()),
             getattr(props, "ContentType", None),
         ))  # fmt: skip
+
+    def ack(self, tokens: Iterable[int]) -> int:
+        """Send the PUBACKs of ``tokens`` read on this connection (others are skipped: their
+        connection is gone, so the broker delivers those messages again); returns how many
+        were sent."""
+        if not self.up:
+            return 0
+        sent = 0
+        epoch = self.epoch
+        for token in tokens:
+            if token >> ACK_EPOCH_SHIFT == epoch:
+                self.client.ack(token & 0xFFFF, 1)
+                sent += 1
+        if sent:
+            self._write_soon()
+        return sent
 
     def _in_loop(self, fn: Callable[..., None], *args: Any) -> None:
         """Run ``fn`` on the loop thread: directly there, else via call_soon_threadsafe."""

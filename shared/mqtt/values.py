@@ -56,6 +56,14 @@ class MqttSettings:
     """QoS 1 publishes sent and not yet acknowledged; later ones wait in paho's queue."""
     max_queued_messages: int = 10_000
     """Inbound messages waiting for :meth:`MqttClient.messages`; newer ones are dropped beyond."""
+    manual_ack: bool = False
+    """Acknowledge inbound QoS 1 messages only when :meth:`MqttClient.ack` is called with their
+    token (the topic handler's third argument): a subscriber that stores what it receives
+    acknowledges once it is stored, so a crash in between makes the broker deliver again."""
+    receive_maximum: int | None = None
+    """Receive Maximum sent in CONNECT: inbound QoS 1 messages the broker may have in flight
+    to us unacknowledged (MQTT 5 default 65535; Mosquitto otherwise applies its own
+    ``max_inflight_messages``, 20 by default)."""
     source_address: tuple[str, int] | None = None
     """Local ``(address, port)`` to connect from (a device with several networks); port 0 or
     None lets the kernel choose."""

@@ -19,7 +19,7 @@ from paho.mqtt.properties import Properties
 
 from mcp_edge.controlplane.broker.base import Credentials
 from mcp_edge.controlplane.mqtt import BrokerAddress, MqttSubscriber
-from mcp_edge.shared.mqtt import InboundMessage, MqttError
+from mcp_edge.shared.mqtt import InboundMessage, MqttError, ReconnectPolicy
 from mcp_edge.tooling.mosquitto import MosquittoBroker
 from tests.integration.conftest import MqttProbe, ProbeFactory
 
@@ -67,7 +67,7 @@ async def test_a_burst_arrives_whole_and_in_order(
     got: list[tuple[str, bytes]] = []
     address = BrokerAddress(broker.host, broker.port)
     async with MqttSubscriber(
-        address, _anonymous("cp-burst"), ["burst/#"], lambda t, p: got.append((t, bytes(p)))
+        address, _anonymous("cp-burst"), ["burst/#"], lambda t, p, _ack: got.append((t, bytes(p)))
     ):
         probe = await mqtt_probe(broker, None, client_id="burst-publisher")
         _fire(probe, "burst", 240, sizes)
@@ -108,7 +108,7 @@ async def test_the_session_comes_back_after_a_broker_restart(
     got: list[bytes] = []
     address = BrokerAddress(broker.host, broker.port)
     async with MqttSubscriber(
-        address, _anonymous("cp-restart"), ["restart/#"], lambda _t, p: got.append(bytes(p))
+        address, _anonymous("cp-restart"), ["restart/#"], lambda _t, p, _ack: got.append(bytes(p))
     ) as session:
         broker.stop()
         broker.start()  # no persistence: the broker forgot the session and its subscription
@@ -122,13 +122,47 @@ async def test_the_session_comes_back_after_a_broker_restart(
         await _until(lambda: b"from-cp" in got, "the session's own publish")
 
 
+async def test_messages_not_acknowledged_when_stored_are_delivered_again_to_the_next_session(
+    broker: MosquittoBroker, mqtt_probe: ProbeFactory
+) -> None:
+    """An ``ack_when_stored`` session acknowledges only what its owner says is stored: a
+    process that dies before that leaves the rest to the broker, which delivers it again to
+    the session's next connection (here: a second process taking the session over)."""
+    address = BrokerAddress(broker.host, broker.port)
+    first: list[tuple[bytes, int]] = []
+    never = ReconnectPolicy(first_delay_s=3600.0, max_delay_s=3600.0, jitter=0.0)
+    crashed = MqttSubscriber(
+        address, _anonymous("cp-acked"), ["acked/#"],
+        lambda _t, p, ack: first.append((bytes(p), ack)), ack_when_stored=True, reconnect=never,
+    )  # fmt: skip
+    await crashed.start()
+    probe = await mqtt_probe(broker, None, client_id="acked-publisher")
+    for i in range(5):
+        await probe.publish(f"acked/{i}", f"m{i}".encode())
+    await _until(lambda: len(first) == 5, "five messages")
+    assert all(token for _, token in first)
+    assert crashed.ack([token for _, token in first[:2]]) == 2  # m0 and m1 are "stored"
+
+    again: list[bytes] = []
+    successor = MqttSubscriber(
+        address, _anonymous("cp-acked"), ["acked/#"],
+        lambda _t, p, ack: again.append(bytes(p)), ack_when_stored=True,
+    )  # fmt: skip
+    async with successor:  # takes the session over: the first connection is dropped
+        await probe.publish("acked/end", b"end")
+        await _until(lambda: b"end" in again, "the message sent after the takeover")
+        assert again == [b"m2", b"m3", b"m4", b"end"]
+        assert crashed.ack([token for _, token in first[2:]]) == 0  # its connection is gone
+    await crashed.close()
+
+
 async def test_an_unreachable_broker_is_a_clear_error(tmp_path: Path) -> None:
     broker = MosquittoBroker(tmp_path)  # never started: nothing listens on its port
     session = MqttSubscriber(
         BrokerAddress(broker.host, broker.port),
         _anonymous("cp-none"),
         ["x/#"],
-        lambda _t, _p: None,
+        lambda _t, _p, _ack: None,
         timeout_s=2,
     )
     with pytest.raises(MqttError, match="cannot connect to the broker"):
