@@ -90,7 +90,6 @@ from mcp_edge.controlplane.repository.mqtt_service import (
     repo_account_name,
 )
 from mcp_edge.controlplane.repository.service import RepositoryService
-from mcp_edge.controlplane.repository.tuf_repo import KeyStore
 from mcp_edge.controlplane.rollouts.service import RolloutService
 from mcp_edge.controlplane.settings import Settings
 from mcp_edge.controlplane.ui import attach_ui
@@ -426,7 +425,7 @@ def create_app(
 
         app.on_startup.append(start_ingest)
         app.on_cleanup.append(stop_ingest)
-        repo = app[REPO_MQTT] = RepoMqttService(settings.data_dir / "repository", metrics)
+        repo = app[REPO_MQTT] = RepoMqttService(repository.repo.dir, metrics)
         broker = ingest
 
         async def start_repo(app: web.Application) -> None:
@@ -447,7 +446,7 @@ def create_app(
 
     tracing = setup_tracing("mcp-controlplane", settings.otlp_endpoint)
     deployments = DeploymentService(
-        db, KeyStore(settings.data_dir / "keys"), None, clock, settings, tracing=tracing
+        db, repository.repo.keys, None, clock, settings, tracing=tracing
     )
     if tracing is not None:
 

@@ -38,7 +38,9 @@ from mcp_edge.shared.errors import McpError
 from mcp_edge.shared.signing import read_public_key
 
 T = TypeVar("T")
-_data_dir_option = data_dir_option("The control plane's data dir (keys live in its keys/).")
+_data_dir_option = data_dir_option(
+    "The control plane's data dir (keys live in keys/ of its shared_dir, else of the data dir)."
+)
 
 
 def _with_repository(data_dir: Path | None, func: Callable[[TufRepository], T]) -> T:

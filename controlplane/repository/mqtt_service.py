@@ -4,6 +4,8 @@ The protocol is :mod:`shared.protocol.repo`. This module is the control plane's 
 
 - one MQTT 5 session (:class:`controlplane.mqtt.MqttSubscriber`) subscribed to
   ``$share/{group}/mcp/v1/dev/+/repo``, so with several replicas each request reaches one;
+  the session ends with its connection (no session expiry): the broker stops giving a killed
+  replica its share at once, and a device's retry reaches a live one;
 - every request is untrusted. Its response topic must be exactly ``repo/reply`` of the device
   named in the request topic (the broker's ACLs bound who may publish there); anything else is
   dropped and counted (``mcp_cp_repo_dropped_total{reason}``), with at most one log line per
@@ -188,6 +190,9 @@ class RepoMqttService:
             on_message=self.handle,
             name="repository",
             max_inflight=256,
+            # No session after the connection: a request queued for a replica that died is
+            # answered by nobody, while the share group's live members could answer it.
+            session_expiry_s=0,
         )
         self._subscriber = subscriber  # before start: requests may arrive as soon as it is granted
         try:

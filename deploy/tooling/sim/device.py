@@ -352,7 +352,15 @@ class SimDevice:
                    on_acked=acked)  # fmt: skip
 
     def send_health(self, sample: HealthReport) -> None:
-        self._send(topics.telemetry(self.device_id, "health"), encode_report(sample), keep=False)
+        counters = self.ctx.counters
+
+        def acked() -> None:  # the broker took it: the control plane must store it
+            counters["health_acked"] += 1
+
+        if self.client is not None and self.online:
+            counters["health_sent"] += 1
+        self._send(topics.telemetry(self.device_id, "health"), encode_report(sample), keep=False,
+                   on_acked=acked)  # fmt: skip
 
     def send_stats(self, stats: InferenceReport) -> None:
         self._send(topics.telemetry(self.device_id, "inference"), encode_report(stats),

@@ -240,6 +240,7 @@ class FleetRunner:
             self._status()
             self._summary()
             await self._close_all()
+            self._status()  # final: what was acknowledged while the devices left counts too
             self._save(clean=True)
         return self._exit
 
