@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import stat
 import time
 from collections import OrderedDict
@@ -49,6 +50,8 @@ log = logging.getLogger("mcp.controlplane.repository.mqtt")
 
 SHARE_GROUP = "cp"
 LOG_INTERVAL_S = 10.0
+_ROOT_PROBE = re.compile(r"metadata/[0-9]+\.root\.json")
+"""The next root version a device probes for on every update (TUF's root rotation check)."""
 
 
 @dataclass(frozen=True)
@@ -249,11 +252,18 @@ class RepoMqttService:
         if not message.correlation_data:
             self._drop("no_correlation", message.topic, "request without correlation data")
             return
+        request = None
         try:
             request = self._parse(message.payload)
             size, data = self.files.read(request.path, request.offset, request.length)
         except _Refused as e:
-            self._reply(message, reply_to, RepoReply(e.status, error=str(e)), b"")
+            # Every update asks for the next root version until it is not found: no news.
+            probe = (
+                e.status is RepoStatus.NOT_FOUND
+                and request is not None
+                and _ROOT_PROBE.fullmatch(request.path) is not None
+            )
+            self._reply(message, reply_to, RepoReply(e.status, error=str(e)), b"", quiet=probe)
             return
         self._reply(
             message, reply_to, RepoReply(RepoStatus.OK, size=size, offset=request.offset), data
@@ -273,7 +283,15 @@ class RepoMqttService:
             where = ".".join(str(x) for x in first.get("loc", ())) or "request"
             raise _Refused(RepoStatus.BAD_REQUEST, f"{where}: {first['msg']}"[:300]) from None
 
-    def _reply(self, message: InboundMessage, reply_to: str, reply: RepoReply, data: bytes) -> None:
+    def _reply(
+        self,
+        message: InboundMessage,
+        reply_to: str,
+        reply: RepoReply,
+        data: bytes,
+        *,
+        quiet: bool = False,
+    ) -> None:
         subscriber = self._subscriber
         if subscriber is None:
             self._drop("not_connected", message.topic, "no broker session")
@@ -292,7 +310,7 @@ class RepoMqttService:
         self._metrics.repo_requests.labels(reply.status.value).inc()
         if data:
             self._metrics.repo_bytes.inc(len(data))
-        if reply.status is not RepoStatus.OK:
+        if reply.status is not RepoStatus.OK and not quiet:
             self._note(
                 f"reply:{reply.status.value}",
                 "repository: answered %s to %s: %s",

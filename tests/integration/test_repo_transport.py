@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -177,17 +178,24 @@ async def test_ngclient_refresh_and_download_over_mqtt(stack: Stack, tmp_path: P
     assert _sent(stack.metrics, "not_found") >= 1  # ngclient's probe for the next root
 
 
-async def test_not_found_is_http_404(stack: Stack, tmp_path: Path) -> None:
-    url = stack.transport.targets_url + "digits/9.9.9/" + "0" * 64 + ".digits-9.9.9.mcpb"
-    with pytest.raises(DownloadHTTPError) as e:
-        await asyncio.to_thread(stack.transport.download, url, tmp_path / "x", length=100)
-    assert e.value.status_code == 404
+async def test_not_found_is_http_404(
+    stack: Stack, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="mcp.controlplane.repository.mqtt")
     fetcher = stack.transport.fetcher()
     with pytest.raises(DownloadHTTPError) as e:
         await asyncio.to_thread(
             fetcher.download_bytes, stack.transport.metadata_url + "7.root.json", 10_000
         )
     assert e.value.status_code == 404
+    # Every update probes for the next root until it is not found: that is no warning.
+    assert not [r for r in caplog.records if "not_found" in r.getMessage()]
+    url = stack.transport.targets_url + "digits/9.9.9/" + "0" * 64 + ".digits-9.9.9.mcpb"
+    with pytest.raises(DownloadHTTPError) as e:
+        await asyncio.to_thread(stack.transport.download, url, tmp_path / "x", length=100)
+    assert e.value.status_code == 404
+    missing = [r.getMessage() for r in caplog.records if "not_found" in r.getMessage()]
+    assert len(missing) == 1 and "digits-9.9.9.mcpb" in missing[0], missing
 
 
 async def test_file_longer_than_allowed_is_refused_before_writing(
