@@ -8,6 +8,8 @@ Routes outside the REST table::
     GET /api/v1/openapi.json     the OpenAPI 3.1 document of everything under /api/v1
     GET /repo/metadata/{file}    TUF metadata, public (:mod:`controlplane.repository.http`)
     GET /repo/targets/{path}     TUF targets (signed bundles), public, Range requests
+    POST /broker/v1/...          brokers' authentication and ACL questions, shared secret
+                                 (only with an HttpAuthProvisioner: controlplane.broker.http_hooks)
 
 Telemetry read routes (viewer), next to the REST table of :mod:`controlplane.api`::
 
@@ -64,6 +66,8 @@ from mcp_edge.controlplane.api.rollouts import ROLLOUTS
 from mcp_edge.controlplane.api.schemas import Health, Request, Response
 from mcp_edge.controlplane.auth import PasswordHasher, Role, auth_middleware
 from mcp_edge.controlplane.broker.base import BrokerAdminError, BrokerProvisioner, Credentials
+from mcp_edge.controlplane.broker.http_auth import HttpAuthProvisioner
+from mcp_edge.controlplane.broker.http_hooks import attach_broker_hooks
 from mcp_edge.controlplane.db import (
     Database,
     DatabaseError,
@@ -351,15 +355,20 @@ def create_app(
     trust: TrustSource | None = None,
     metrics: ControlPlaneMetrics | None = None,
     ingest: IngestConnection | None = None,
+    database: Database | None = None,
 ) -> web.Application:
     """Build the application. Nothing touches the database until startup.
 
     With ``ingest``, startup subscribes to device telemetry at the broker (after migrating) and
     cleanup stops it, committing what is buffered; :data:`INGEST` holds the service.
+    ``database``: the one to use (its owner disposes of it) instead of one of the app's own.
+    With an :class:`HttpAuthProvisioner`, the brokers' endpoints are served under
+    ``/broker/v1/`` (:mod:`controlplane.broker.http_hooks`), to callers presenting
+    ``settings.broker_auth_secret()`` (read now: a missing secret stops the start).
 
     Raises :class:`controlplane.db.DatabaseConfigError` for an unusable database URL.
     """
-    db = Database(settings.effective_database_url)
+    db = database if database is not None else Database(settings.effective_database_url)
     metrics = metrics or ControlPlaneMetrics()
     route_roles: dict[AbstractRoute, Role | None] = {}
     app = web.Application(
@@ -382,6 +391,8 @@ def create_app(
         route = app.router.add_route(ep.method, ep.path, ep.handler)
         route_roles[route] = ep.role
     attach_ui(app)  # the console (/ui/...), after the API routes it shares the port with
+    if isinstance(provisioner, HttpAuthProvisioner):
+        attach_broker_hooks(app, provisioner, settings.broker_auth_secret())
     sessions = app[BROKER_SESSIONS] = []
     app[OPENAPI] = orjson.dumps(build_openapi([*endpoints, *REPO_ENDPOINTS], version=__version__))
 
@@ -391,7 +402,8 @@ def create_app(
             log.info("database %s at revision %s", db.display_url, revision)
 
     async def dispose(app: web.Application) -> None:
-        await db.dispose()
+        if database is None:
+            await db.dispose()
 
     app.on_startup.append(migrate)
     attach_repository(app, repository)  # after migrate: it reads publisher keys
@@ -497,13 +509,15 @@ async def serve(
     on_ready: Callable[[str], Awaitable[None] | None] | None = None,
     stop: asyncio.Event | None = None,
     ingest: IngestConnection | None = None,
+    database: Database | None = None,
 ) -> None:
     """Run the app on ``settings.host:settings.port`` until SIGINT/SIGTERM or ``stop`` is set.
 
     ``on_ready`` receives the base URL once the socket listens (port 0 picks a free port);
-    ``ingest`` turns on telemetry ingestion (see :func:`create_app`).
+    ``ingest`` turns on telemetry ingestion and ``database`` replaces the app's own (see
+    :func:`create_app`).
     """
-    app = create_app(settings, provisioner, clock, ingest=ingest)
+    app = create_app(settings, provisioner, clock, ingest=ingest, database=database)
     runner = web.AppRunner(app, access_log=None, **server_logging())
     await runner.setup()
     stop = stop or asyncio.Event()

@@ -15,6 +15,9 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
     broker_admin_url = "mqtt://127.0.0.1:1883"  # absent: no broker accounts, no ingestion
     broker_admin_user = "admin"                 # a dynamic-security admin account
     broker_admin_password_file = "/etc/mcp/broker-admin.pw"   # read at serve time
+    broker_provisioner = "dynsec"               # or "http": brokers ask /broker/v1/... instead
+    broker_auth_secret_file = "/etc/mcp/broker-auth.secret"   # "http": the brokers' secret
+    broker_auth_listen = "0.0.0.0:8081"         # "http": a listener for the brokers alone
     telemetry_retention_days = 7
     timestamp_refresh_s = 3600                  # how often serve re-checks TUF timestamp expiry
     max_bundle_bytes = 2147483648               # cap on one uploaded .mcpb (POST /api/v1/bundles)
@@ -49,8 +52,14 @@ everything below the CLI receives a :class:`Settings` and never reads the enviro
 Webhooks are read from the file (or ``overrides``) only, never from the environment.
 
 Environment: also ``MCP_TIMESTAMP_REFRESH_S``, ``MCP_MAX_BUNDLE_BYTES``, ``MCP_REPOSITORY_HTTP``,
-``MCP_REPLICA_NAME``, ``MCP_SHARED_DIR``, ``MCP_INFERENCE_INTERVAL_S``, ``MCP_ROLLOUT_LEASE_S``
-and ``MCP_OTLP_ENDPOINT``.
+``MCP_REPLICA_NAME``, ``MCP_SHARED_DIR``, ``MCP_INFERENCE_INTERVAL_S``, ``MCP_ROLLOUT_LEASE_S``,
+``MCP_OTLP_ENDPOINT``, ``MCP_BROKER_PROVISIONER``, ``MCP_BROKER_AUTH_SECRET_FILE`` and
+``MCP_BROKER_AUTH_LISTEN``.
+
+``broker_provisioner = "http"`` keeps broker accounts in the database and serves them to
+brokers that ask over HTTP (EMQX, VerneMQ, mosquitto-go-auth: docs/broker-http-auth.md); the
+broker admin account is then not needed, and ``broker_admin_url`` only names the broker the
+control plane's own sessions connect to.
 """
 
 from __future__ import annotations
@@ -264,6 +273,20 @@ def _parse_webhooks(value: object) -> tuple[WebhookConfig, ...]:
     return hooks
 
 
+class BrokerProvisionerKind(str, enum.Enum):
+    """Where broker accounts live. ``DYNSEC``: in Mosquitto's dynamic-security plugin, through
+    the broker admin account. ``HTTP``: in the control plane's database, asked for by the
+    broker over HTTP (:mod:`controlplane.broker.http_hooks`)."""
+
+    DYNSEC = "dynsec"
+    HTTP = "http"
+
+
+BROKER_AUTH_SECRET = re.compile(r"^[A-Za-z0-9._~-]{32,4096}$")
+"""A broker endpoint secret: URL-safe characters only, so it can sit in a header and, as is,
+in a URL's ``user:secret@`` part (VerneMQ's and go-auth's way to send it)."""
+
+
 class PasswordCost(str, enum.Enum):
     """argon2id cost (PyNaCl's named limits). ``MIN`` exists for tests only."""
 
@@ -296,6 +319,15 @@ class Settings:
     broker_admin_url: str | None = None
     broker_admin_user: str | None = None
     broker_admin_password_file: Path | None = None
+    broker_provisioner: BrokerProvisionerKind = BrokerProvisionerKind.DYNSEC
+    """Where broker accounts live (:class:`BrokerProvisionerKind`)."""
+    broker_auth_secret_file: Path | None = None
+    """The secret brokers present to ``/broker/v1/...`` (``broker_provisioner = "http"``),
+    read at serve time by :meth:`broker_auth_secret`."""
+    broker_auth_listen: str | None = None
+    """``host:port`` where serve also answers the brokers alone (``broker_provisioner =
+    "http"``), opened before the control plane logs its own sessions in: they are checked
+    through it. None: the brokers ask the main listener only."""
     telemetry_retention_days: int = 7
     timestamp_refresh_s: float = 3600.0
     repository_http: bool = True
@@ -351,6 +383,42 @@ class Settings:
         except (OSError, UnicodeDecodeError) as e:
             raise SettingsError(f"cannot read the broker admin password: {e}") from e
         return text.rstrip("\r\n")
+
+    def broker_auth_secret(self) -> str:
+        """The broker endpoint secret from ``broker_auth_secret_file`` (trailing newline
+        removed).
+
+        Raises :class:`SettingsError` when no file is configured, it is not a regular file,
+        others may read it (``0o007``; a group may), it cannot be read, or it is not 32 to 4096
+        characters of ``[A-Za-z0-9._~-]`` (``openssl rand -hex 32`` makes one).
+        """
+        path = self.broker_auth_secret_file
+        if path is None:
+            raise SettingsError(
+                'broker_provisioner = "http" needs broker_auth_secret_file (the secret the '
+                "brokers present to /broker/v1/...)"
+            )
+        where = f"broker_auth_secret_file {path}"
+        try:
+            st = path.stat()
+            if not stat.S_ISREG(st.st_mode):
+                raise SettingsError(f"{where} is not a regular file")
+            if st.st_mode & 0o007:
+                raise SettingsError(
+                    f"{where} has permissions {stat.S_IMODE(st.st_mode):04o}; others must have "
+                    f"no access to it (chmod 600 {path}, or 640 for a group)"
+                )
+            with path.open("rb") as f:
+                raw = f.read(4096 + 3)
+        except OSError as e:
+            raise SettingsError(f"{where} cannot be read: {e.strerror or e}") from e
+        secret = raw.rstrip(b"\r\n").decode("ascii", errors="replace")
+        if not BROKER_AUTH_SECRET.match(secret):
+            raise SettingsError(
+                f"{where} must hold 32 to 4096 characters of A-Z a-z 0-9 . _ ~ - "
+                f"(openssl rand -hex 32 > {path})"
+            )
+        return secret
 
     @property
     def effective_database_url(self) -> str:
@@ -440,6 +508,19 @@ def _apply(settings: Settings, values: Mapping[str, Any], origin: str) -> Settin
         if values.get("broker_admin_password_file"):
             path = Path(str(values["broker_admin_password_file"])).expanduser()
             changes["broker_admin_password_file"] = path.absolute()
+        if values.get("broker_provisioner"):
+            kind = values["broker_provisioner"]
+            kind = kind.value if isinstance(kind, BrokerProvisionerKind) else str(kind)
+            try:
+                changes["broker_provisioner"] = BrokerProvisionerKind(kind)
+            except ValueError:
+                raise ValueError(f"broker_provisioner {kind!r} is not 'dynsec' or 'http'") from None
+        if values.get("broker_auth_secret_file"):
+            path = Path(str(values["broker_auth_secret_file"])).expanduser()
+            changes["broker_auth_secret_file"] = path.absolute()
+        if values.get("broker_auth_listen"):
+            parse_listen(str(values["broker_auth_listen"]))  # SettingsError when malformed
+            changes["broker_auth_listen"] = str(values["broker_auth_listen"])
         if values.get("telemetry_retention_days") is not None:
             days = int(values["telemetry_retention_days"])
             if days < 1:
@@ -549,6 +630,9 @@ def load_settings(
         "max_bundle_bytes": env.get("MCP_MAX_BUNDLE_BYTES") or None,
         "repository_http": env.get("MCP_REPOSITORY_HTTP") or None,
         "replica_name": env.get("MCP_REPLICA_NAME") or None,
+        "broker_provisioner": env.get("MCP_BROKER_PROVISIONER") or None,
+        "broker_auth_secret_file": env.get("MCP_BROKER_AUTH_SECRET_FILE") or None,
+        "broker_auth_listen": env.get("MCP_BROKER_AUTH_LISTEN") or None,
         "shared_dir": env.get("MCP_SHARED_DIR") or None,
         "inference_interval_s": env.get("MCP_INFERENCE_INTERVAL_S") or None,
         "rollout_lease_s": env.get("MCP_ROLLOUT_LEASE_S") or None,
@@ -588,6 +672,11 @@ def write_config_file(settings: Settings) -> Path:
         values["broker_admin_user"] = settings.broker_admin_user
     if settings.broker_admin_password_file is not None:
         values["broker_admin_password_file"] = str(settings.broker_admin_password_file)
+    values["broker_provisioner"] = settings.broker_provisioner.value
+    if settings.broker_auth_secret_file is not None:
+        values["broker_auth_secret_file"] = str(settings.broker_auth_secret_file)
+    if settings.broker_auth_listen:
+        values["broker_auth_listen"] = settings.broker_auth_listen
     values["telemetry_retention_days"] = settings.telemetry_retention_days
     values["timestamp_refresh_s"] = settings.timestamp_refresh_s
     values["max_bundle_bytes"] = settings.max_bundle_bytes

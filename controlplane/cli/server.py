@@ -40,6 +40,7 @@ from mcp_edge.controlplane.cli.client import configure_logging
 from mcp_edge.controlplane.cli.datadir import cli_settings, data_dir_option
 from mcp_edge.controlplane.settings import (
     SQLITE_FILE,
+    BrokerProvisionerKind,
     EnrollmentApproval,
     Settings,
     SettingsError,
@@ -96,6 +97,21 @@ def install_event_loop() -> str:
     help="File holding that account's password (read at serve time).",
 )
 @click.option(
+    "--broker-provisioner",
+    type=click.Choice([k.value for k in BrokerProvisionerKind]),
+    help="Where broker accounts live: dynsec (Mosquitto's dynamic security, the default) or "
+    "http (the database, for brokers that ask /broker/v1/...: EMQX, VerneMQ, go-auth).",
+)
+@click.option(
+    "--broker-auth-secret-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="With http: file holding the secret the brokers present (read at serve time).",
+)
+@click.option(
+    "--broker-auth-listen",
+    help="With http: HOST:PORT where serve also answers the brokers (a listener of theirs).",
+)
+@click.option(
     "--telemetry-retention-days",
     type=click.IntRange(min=1),
     help="Keep health samples this many days (default 7).",
@@ -117,6 +133,9 @@ def init(
     broker_admin_url: str | None,
     broker_admin_user: str | None,
     broker_admin_password_file: Path | None,
+    broker_provisioner: str | None,
+    broker_auth_secret_file: Path | None,
+    broker_auth_listen: str | None,
     telemetry_retention_days: int | None,
     shared_dir: Path | None,
 ) -> None:
@@ -136,14 +155,19 @@ def init(
         broker_admin_url=broker_admin_url,
         broker_admin_user=broker_admin_user,
         broker_admin_password_file=broker_admin_password_file,
+        broker_provisioner=broker_provisioner,
+        broker_auth_secret_file=broker_auth_secret_file,
+        broker_auth_listen=broker_auth_listen,
         telemetry_retention_days=telemetry_retention_days,
         shared_dir=shared_dir,
     )
-    if settings.broker_configured:
-        try:
-            settings.broker_admin_password()  # fail now, not at the first serve
-        except SettingsError as e:
-            raise click.ClickException(str(e)) from e
+    try:  # fail now, not at the first serve
+        if settings.broker_provisioner is BrokerProvisionerKind.HTTP:
+            settings.broker_auth_secret()
+        elif settings.broker_configured:
+            settings.broker_admin_password()
+    except SettingsError as e:
+        raise click.ClickException(str(e)) from e
     password = _admin_password(admin_password_file)
     if password is None:
         if asyncio.run(_admin_needed(settings, admin_user)):
@@ -162,6 +186,9 @@ def init(
             "broker_admin_url",
             "broker_admin_user",
             "broker_admin_password_file",
+            "broker_provisioner",
+            "broker_auth_secret_file",
+            "broker_auth_listen",
             "telemetry_retention_days",
             "shared_dir",
         )
@@ -329,6 +356,9 @@ async def _serve_locked(settings: Settings, ready: Any, name: str) -> None:
     from mcp_edge.controlplane.mqtt import BrokerAddress
 
     log = logging.getLogger("mcp.controlplane")
+    if settings.broker_provisioner is BrokerProvisionerKind.HTTP:
+        await _serve_http_auth(settings, ready, name)
+        return
     if not settings.broker_configured:
         log.warning(
             "no broker admin configured (mcp-controlplane init --broker-admin-url ...): "
@@ -365,6 +395,53 @@ async def _serve_locked(settings: Settings, ready: Any, name: str) -> None:
             on_ready=ready,
             ingest=IngestConnection(address, credentials),
         )
+
+
+async def _serve_http_auth(settings: Settings, ready: Any, name: str) -> None:
+    """Serve with broker accounts in the database (:class:`HttpAuthProvisioner`): the brokers
+    ask the app's ``/broker/v1/...`` (and ``broker_auth_listen``, opened first); with a broker
+    configured, this replica's own accounts are provisioned there and its sessions log in
+    through those endpoints."""
+    from contextlib import AsyncExitStack
+
+    from mcp_edge.controlplane.app import serve as run_server
+    from mcp_edge.controlplane.broker.http_auth import HttpAuthProvisioner
+    from mcp_edge.controlplane.broker.http_hooks import serve_broker_hooks
+    from mcp_edge.controlplane.db import Database, upgrade_head
+    from mcp_edge.controlplane.ingest import IngestConnection
+    from mcp_edge.controlplane.mqtt import BrokerAddress
+    from mcp_edge.controlplane.settings import parse_listen
+
+    log = logging.getLogger("mcp.controlplane")
+    secret = settings.broker_auth_secret()
+    db = Database(settings.effective_database_url)
+    try:
+        if settings.migrate_on_start:  # the accounts table, before this replica's accounts
+            await upgrade_head(db)
+        async with HttpAuthProvisioner(db) as provisioner, AsyncExitStack() as stack:
+            if settings.broker_auth_listen:
+                host, port = parse_listen(settings.broker_auth_listen)
+                url = await stack.enter_async_context(
+                    serve_broker_hooks(provisioner, secret, host, port)
+                )
+                log.info("answering the brokers on %s/broker/v1/", url)
+            ingest = None
+            if settings.broker_configured:
+                address = BrokerAddress.parse(str(settings.broker_admin_url))
+                credentials = await provisioner.provision_service(name)
+                ingest = IngestConnection(address, credentials)
+                log.info(
+                    "broker %s:%d asks this control plane about accounts; replica %s "
+                    "ingesting as %s", address.host, address.port, name, credentials.username,
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "broker_provisioner is http but no broker_admin_url names the broker: "
+                    "devices get MQTT credentials, telemetry is not ingested"
+                )
+            await run_server(settings, provisioner, on_ready=ready, ingest=ingest, database=db)
+    finally:
+        await db.dispose()
 
 
 COMMANDS = [init, serve]

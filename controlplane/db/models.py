@@ -676,3 +676,24 @@ class HardExampleRow(Base):
     output_shape: Mapped[list[int] | None] = mapped_column(JSON)
     output_data: Mapped[bytes | None] = mapped_column(LargeBinary)
     sha256: Mapped[str] = mapped_column(String(64))
+
+
+# ---------------------------------------------------------------------------- broker accounts (0011)
+
+
+class BrokerAccountRow(Base):
+    """An MQTT account kept for brokers that ask the control plane who may connect and what
+    it may do (:mod:`controlplane.broker.http_auth`): ``kind`` is device, service or app, the
+    account may connect with ``client_id`` only, and its password is kept as a salted scrypt
+    hash. The topics it may use are not stored: they follow from ``kind`` and ``client_id``
+    (:mod:`controlplane.broker.acl`)."""
+
+    __tablename__ = "broker_accounts"
+
+    username: Mapped[str] = mapped_column(String(80), primary_key=True)
+    client_id: Mapped[str] = mapped_column(String(64), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    password_hash: Mapped[str] = mapped_column(String(255))
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
