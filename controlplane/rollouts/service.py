@@ -223,6 +223,19 @@ class RolloutMetrics:
         )
 
 
+def round_rest(took_s: float, interval_s: float, lease_s: float) -> float:
+    """How long the loop rests after a round that took ``took_s``.
+
+    A round over thousands of devices takes a while: rest twice as long, so the loop keeps to
+    about a third of the process while ingestion and the repository serve the devices it
+    moved; at least ``interval_s``. Never more than a third of the lease, though: the next
+    round renews this replica's leases before they run out (a longer rest let another, live
+    replica take them over) and notices a finished stage or rollout soon after the devices
+    report it. A command or a create wakes the loop at once.
+    """
+    return max(interval_s, min(2 * took_s, lease_s / 3))
+
+
 class RolloutService:
     """Create, command and drive rollouts. ``owner`` names this replica in leases."""
 
@@ -489,10 +502,7 @@ class RolloutService:
                 await self.run_once()
             except Exception:  # the loop must outlive any one failing round
                 log.exception("rollout round failed; trying again")
-            # A round over thousands of devices takes a while: rest at least twice as long, so
-            # the loop keeps to a third of the process while ingestion and the repository serve
-            # the devices it moved. A command or a create wakes it at once.
-            rest = max(self._interval_s, 2 * (loop.time() - began))
+            rest = round_rest(loop.time() - began, self._interval_s, self._lease.total_seconds())
             if self._stopping:
                 break
             with contextlib.suppress(asyncio.TimeoutError):
