@@ -1,20 +1,26 @@
-"""The fleet demo: broker, control plane and two agents on this machine, driven by the real CLIs.
+"""The closed-loop fleet demo on this machine, driven by the real CLIs.
 
     python deploy/demo.py [--work-dir DIR] [--keep] [--smoke]
 
 Starts Mosquitto with dynamic security on a free loopback port (below the kernel's ephemeral
 range, as every port here: a client can never connect to itself there), a control plane on
-SQLite, trains two versions of a digits classifier, signs and publishes them, enrolls and runs two
-agents (`cam-1`, `cam-2`, group `demo`), deploys 1.0.0 to the group, asks both agents over HTTP
-and the fleet over MQTT, then moves `cam-1` to 1.1.0 while a client keeps sending requests.
-Each step prints one line and the CLI command it runs; every process logs to `DIR/logs/`.
-Without `--smoke` everything keeps running until Ctrl-C; with it, every expectation is checked
-and the exit status is 1, with a message naming what did not happen, when one fails.
+SQLite, three agents enrolled with three hardware profiles (`cam-1` generic-x86_64, `cam-2`
+intel-xeon, `cam-3` raspberry-pi, group `demo`) and 20 `mcp-sim` devices in the same group.
+It trains a digits classifier and rolls 1.0.0 out in two stages, rolls 2.0.0 out as a canary
+gated on the error rate of live traffic, then sends cam-1 inverted digits until the control
+plane raises a retraining trigger; the retraining receiver (deploy/retrain_receiver.py) gets
+the signed webhook, trains 3.0.0 on the original data plus the trigger's labelled hard
+examples, publishes it and starts its rollout, and the demo waits until the whole fleet runs
+3.0.0. Each step prints one line and the CLI command it runs; every process logs to
+`DIR/logs/`. Without `--smoke` everything keeps running until Ctrl-C; with it, every
+expectation is checked and the exit status is 1, with a message naming what did not happen,
+when one fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import http.cookiejar
 import json
 import os
@@ -27,18 +33,22 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sklearn.datasets import load_digits
 
+from mcp_edge.shared.fsutil import atomic_write_bytes
 from mcp_edge.shared.netutil import free_port_below_ephemeral
 from mcp_edge.tooling.models import train_digits_mlp, write_digits_onnx
 from mcp_edge.tooling.mosquitto import (
@@ -46,18 +56,38 @@ from mcp_edge.tooling.mosquitto import (
     find_dynsec_plugin,
     find_executable,
 )
-from mcp_edge.tooling.processes import Client, http_json
+from mcp_edge.tooling.processes import http_json
 
 REPO = Path(__file__).resolve().parents[1]
 
 HOST = "127.0.0.1"
-DEVICES = ("cam-1", "cam-2")
+AGENTS = {"cam-1": "generic-x86_64", "cam-2": "intel-xeon", "cam-3": "raspberry-pi"}
+"""The real agents and the hardware profile each is enrolled and run with."""
+SIM_DEVICES = 20
 GROUP = "demo"
 MODEL = "digits"
-VERSIONS = {"1.0.0": 32, "1.1.0": 64, "1.2.0": 48}  # version -> hidden units of the MLP
+VERSIONS = {"1.0.0": 32, "2.0.0": 48}  # version -> hidden units; the receiver makes 3.0.0
+RETRAINED = "3.0.0"
+DRIFTED = "cam-1"
+N_DRIFTED = 1000
 APP_CLIENT = "demo-app"
 MARKER = ".mcp-demo"  # marks a directory this script made, so only such a one is wiped
 N_SAMPLES = 5
+LIVE_RATE = 25.0
+"""Requests per second the live-traffic client sends each agent."""
+# Rollouts sized for a demo that must finish in a few minutes on a small machine; an operator
+# bakes for minutes and asks for hundreds of requests (docs/demo.md, docs/rollouts.md).
+V1_STAGES = ("20%:bake=2s:gate=install_failure_rate<0.1,min_devices=2", "rest:bake=0s")
+CANARY = {"percent": 20, "mode": "canary", "weight": 0.5, "bake_s": 8}
+CANARY_GATE = {"metric": "error_rate", "threshold": 0.02, "min_devices": 2, "min_requests": 50}
+V2_STAGES = (
+    "20%:canary:weight=0.5:bake=8s:gate=error_rate<0.02,min_devices=2,min_requests=50",
+    "rest:bake=0s",
+)
+V3_ROLLOUT = {
+    "target": {"group": GROUP},
+    "stages": [{**CANARY, "gates": [CANARY_GATE]}, {"percent": 80, "bake_s": 0}],
+}
 # Settings of deploy/mosquitto/mosquitto.conf that name a port or a path on this machine.
 _LOCAL_KEYS = {"listener", "plugin", "plugin_opt_config_file", "persistence_location", "log_dest"}
 
@@ -87,6 +117,42 @@ def say(text: str) -> None:
     print(text, flush=True)
 
 
+def indent(text: str) -> str:
+    return "    " + text.strip().replace("\n", "\n    ")
+
+
+class PacedClient(threading.Thread):
+    """Sends inference requests, `rate` a second, taking `bodies` in turn; counts answers by
+    version."""
+
+    def __init__(self, url: str, bodies: Sequence[bytes], rate: float) -> None:
+        super().__init__(daemon=True)
+        self.url, self.bodies, self.rate = url, bodies, rate
+        self.versions: list[str] = []
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        sent = 0
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                body = self.bodies[sent % len(self.bodies)]
+                sent += 1
+                status, answer = http_json(self.url, body=body)
+                if status != 200:
+                    self.failures.append(f"HTTP {status}")
+                else:
+                    self.versions.append(str(answer["model_version"]))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self.failures.append(repr(e))
+            self.stop.wait(max(0.0, 1 / self.rate - (time.monotonic() - started)))
+
+    def counts(self) -> str:
+        by = ", ".join(f"{n} by {v}" for v, n in sorted(Counter(self.versions).items()))
+        return f"{len(self.versions)} requests answered ({by}), {len(self.failures)} failed"
+
+
 class Demo:
     """One run of the demo in `work`; `stop_all()` ends every process it started."""
 
@@ -104,6 +170,11 @@ class Demo:
         self.step_no = 0
         self.admin_password = work / "admin.password"
         self.token_file = work / "api-token"
+        self.hook_secret = work / "webhook.secret"
+        self.hook_url = ""
+        self.annotations: dict[str, int] = {}
+        self.trigger_id = 0
+        self.sent: set[bytes] = set()
         self.started = time.monotonic()
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -224,26 +295,27 @@ class Demo:
         return body
 
     def devices(self) -> dict[str, Any]:
-        return {d["id"]: d for d in self.api("/api/v1/devices")["items"]}
+        return {d["id"]: d for d in self.api(f"/api/v1/devices?group={GROUP}&limit=1000")["items"]}
 
-    def infer_body(self) -> bytes:
-        return json.dumps(
-            {
-                "inputs": [
-                    {
-                        "name": "input",
-                        "shape": [N_SAMPLES, 64],
-                        "datatype": "FP32",
-                        "data": self.samples["data"],
-                    }
-                ]
-            }
-        ).encode()
+    def running(self, version: str) -> list[str]:
+        """The devices of the group whose reported active version of the model is `version`."""
+        return [
+            name
+            for name, d in self.devices().items()
+            if any(m["model"] == MODEL and m["reported_version"] == version for m in d["models"])
+        ]
 
-    def predictions(self, answer: dict[str, Any]) -> list[int]:
-        scores = answer["outputs"][0]["data"]
-        rows = [scores[i * 10 : (i + 1) * 10] for i in range(N_SAMPLES)]
-        return [row.index(max(row)) for row in rows]
+    def infer_url(self, name: str) -> str:
+        return f"http://{HOST}:{self.agent_ports[name]}/v2/models/{MODEL}/infer"
+
+    def infer_body(self, data: Sequence[float] | None = None, rows: int = N_SAMPLES) -> bytes:
+        data = self.samples["data"] if data is None else data
+        tensor = {"name": "input", "shape": [rows, 64], "datatype": "FP32", "data": list(data)}
+        return json.dumps({"inputs": [tensor]}).encode()
+
+    def predictions(self, answer: dict[str, Any], rows: int = N_SAMPLES) -> list[int]:
+        scores = np.asarray(answer["outputs"][0]["data"], dtype=np.float32).reshape(rows, -1)
+        return [int(i) for i in scores.argmax(axis=1)]
 
     def show_answer(self, who: str, answer: dict[str, Any]) -> None:
         predicted, truth = self.predictions(answer), self.samples["labels"]
@@ -253,16 +325,99 @@ class Demo:
             f"true {truth} ({right}/{N_SAMPLES} right)"
         )
 
+    def annotate(self, data: Sequence[float], labels: Sequence[int]) -> None:
+        """Note the true class of each 64-pixel row of `data` as a person labelling it would,
+        keyed by the sha256 of the row's bytes as an agent keeps it (float32, little-endian),
+        into DIR/annotations.json for the retraining receiver."""
+        rows = np.asarray(data, dtype="<f4").reshape(-1, 64)
+        for row, label in zip(rows, labels, strict=True):
+            self.sent.add(row.tobytes())
+            self.annotations[hashlib.sha256(row.tobytes()).hexdigest()] = int(label)
+        atomic_write_bytes(
+            self.work / "annotations.json", json.dumps(self.annotations).encode(), mode=0o600
+        )
+
+    @contextmanager
+    def live_traffic(self) -> Iterator[dict[str, PacedClient]]:
+        """Clients asking each agent LIVE_RATE times a second, stopped on leaving; each
+        request holds the next N_SAMPLES held-out digits (always the same ones would be a
+        drift of their own)."""
+        held_out = self.samples["test_data"]
+        size = N_SAMPLES * 64
+        bodies = [
+            self.infer_body(held_out[i : i + size])
+            for i in range(0, len(held_out) - size + 1, size)
+        ]
+        clients = {n: PacedClient(self.infer_url(n), bodies, LIVE_RATE) for n in AGENTS}
+        for c in clients.values():
+            c.start()
+        try:
+            self.wait_for(
+                "the live-traffic clients under way",
+                lambda: all(c.versions for c in clients.values()),
+                30,
+                self.logs / "cam-1.log",
+            )
+            yield clients
+        finally:
+            for c in clients.values():
+                c.stop.set()
+            for c in clients.values():
+                c.join(timeout=15)
+
+    def check_live(self, clients: dict[str, PacedClient], version: str) -> None:
+        """Every agent answered its latest requests with `version`, and no request failed."""
+        self.wait_for(
+            f"every agent answering the live traffic with {version}",
+            lambda: all(c.versions[-1] == version for c in clients.values()),
+            60,
+            self.logs / "cam-1.log",
+        )
+        for name, c in clients.items():
+            say(f"    {name}: {c.counts()}")
+        failed = {n: c.failures[:3] for n, c in clients.items() if c.failures}
+        self.check(not failed, f"live requests failed during the rollout: {failed}")
+
+    def rollout(self, version: str, stages: Sequence[str] | None, what: str) -> None:
+        """Create (when `stages` are given) and watch the rollout of `version` until it
+        succeeds; print its stages' devices and its history."""
+        if stages is not None:
+            args = ["rollouts", "create", MODEL, version, "--group", GROUP]
+            for s in stages:
+                args += ["--stage", s]
+            rid = str(json.loads(self.cli("mcp-controlplane", *args, "--json"))["id"])
+        else:
+            listed = self.api(f"/api/v1/rollouts?model={MODEL}&limit=100")["items"]
+            found = [r["id"] for r in listed if r["version"] == version]
+            self.check(found != [], f"no rollout of {MODEL} {version}")
+            rid = str(found[0])
+        devices = self.api(f"/api/v1/rollouts/{rid}/devices?limit=10000")["items"]
+        by_stage: dict[int, list[str]] = {}
+        for d in devices:
+            by_stage.setdefault(d["stage"], []).append(d["device_id"])
+        for stage, names in sorted(by_stage.items()):
+            agents = sorted(set(names) & set(AGENTS))
+            say(
+                f"    stage {stage + 1}: {len(names)} devices"
+                + (f", among them {' and '.join(agents)}" if agents else ", all simulated")
+            )
+        self.step(f"Watch rollout {rid} ({what}) until it ends")
+        self.cli("mcp-controlplane", "rollouts", "watch", rid, "--interval", "0.5s", timeout_s=240)
+        for e in self.api(f"/api/v1/rollouts/{rid}/events?limit=1000")["items"]:
+            where = "" if e["stage"] is None else f"stage {e['stage'] + 1}"
+            say(f"    {e['kind']:<14} {where:<8} {e['actor']}: {e['reason']}")
+        shown = self.api(f"/api/v1/rollouts/{rid}")["rollout"]
+        self.check(shown["status"] == "succeeded", f"rollout {rid}: {shown['reason']}")
+
     # ---- the steps -------------------------------------------------------------------------
 
     def broker(self) -> None:
         broker_dir = self.work / "broker"
         self.step("Create the broker's dynamic-security file: one admin account, default deny")
-        self._show(
-            "bash", [str(REPO / "deploy/mosquitto/bootstrap.sh"), "--data-dir", str(broker_dir)]
-        )
+        bootstrap = ["bash", str(REPO / "deploy/mosquitto/bootstrap.sh"), "--data-dir"]
+        self._show(bootstrap[0], [*bootstrap[1:], str(broker_dir)])
         done = subprocess.run(
-            ["bash", str(REPO / "deploy/mosquitto/bootstrap.sh"), "--data-dir", str(broker_dir)],
+            [*bootstrap, str(broker_dir)],
             capture_output=True,
             text=True,
             timeout=60,
@@ -274,10 +429,11 @@ class Demo:
             raise DemoError(f"deploy/mosquitto/bootstrap.sh failed: {done.stderr.strip()}")
         self.broker_port = free_port_below_ephemeral(HOST)
         conf = broker_dir / "mosquitto.conf"
-        lines = []
-        for line in (REPO / "deploy/mosquitto/mosquitto.conf").read_text().splitlines():
-            if line.split(" ", 1)[0] not in _LOCAL_KEYS:
-                lines.append(line)
+        lines = [
+            line
+            for line in (REPO / "deploy/mosquitto/mosquitto.conf").read_text().splitlines()
+            if line.split(" ", 1)[0] not in _LOCAL_KEYS
+        ]
         lines += [
             f"listener {self.broker_port} {HOST}",
             f"plugin {find_dynsec_plugin()}",
@@ -307,65 +463,51 @@ class Demo:
 
     def control_plane(self) -> None:
         data = self.work / "cp"
-        admin_pw = self.admin_password
-        admin_pw.write_text(secrets.token_urlsafe(18) + "\n")
-        admin_pw.chmod(0o600)
+        self.admin_password.write_text(secrets.token_urlsafe(18) + "\n")
+        self.admin_password.chmod(0o600)
         port = free_port_below_ephemeral(HOST)
         broker = f"mqtt://{HOST}:{self.broker_port}"
         self.step("Create the control plane: SQLite database, TUF repository and keys, admin user")
         out = self.cli(
-            "mcp-controlplane",
-            "init",
-            "--data-dir",
-            str(data),
-            "--listen",
-            f"{HOST}:{port}",
-            "--broker-url",
-            broker,
-            "--broker-admin-url",
-            broker,
-            "--broker-admin-user",
-            "admin",
-            "--broker-admin-password-file",
-            str(self.work / "broker/dynsec-admin.password"),
-            "--admin-user",
-            "admin",
-            "--admin-password-file",
-            str(admin_pw),
-        )
+            "mcp-controlplane", "init", "--data-dir", str(data), "--listen", f"{HOST}:{port}",
+            "--broker-url", broker, "--broker-admin-url", broker, "--broker-admin-user", "admin",
+            "--broker-admin-password-file", str(self.work / "broker/dynsec-admin.password"),
+            "--admin-user", "admin", "--admin-password-file", str(self.admin_password),
+        )  # fmt: skip
         self.token = out.strip().splitlines()[-1]
-        token_file = self.token_file
-        token_file.write_text(self.token + "\n")
-        token_file.chmod(0o600)
+        self.token_file.write_text(self.token + "\n")
+        self.token_file.chmod(0o600)
         self.cp_url = f"http://{HOST}:{port}"
         self.env.update(MCP_SERVER=self.cp_url, MCP_TOKEN=self.token)
-        self.pipeline()
-        with (data / "controlplane.toml").open("a") as config:
-            config.write(
-                "\n[drift_policy]\nhard_examples = true\n"
-                f'\n[[webhooks]]\nname = "training"\nurl = "{self.hook_url}"\n'
-                f'secret_file = "{self.hook_secret}"\nevents = ["retraining.*"]\n'
-            )
-        say(
-            "    controlplane.toml: devices keep hard examples ([drift_policy]); retraining "
-            "triggers go to the training pipeline's webhook ([[webhooks]])"
+        self.hook_secret.write_text(secrets.token_hex(32) + "\n")
+        self.hook_secret.chmod(0o600)
+        self.hook_url = f"http://{HOST}:{free_port_below_ephemeral(HOST)}/retrain"
+        config = data / "controlplane.toml"
+        text, n = re.subn(
+            r"(?m)^inference_interval_s = .*$", "inference_interval_s = 2.0", config.read_text()
+        )
+        self.check(n == 1, f"no inference_interval_s line in {config}")
+        config.write_text(
+            text
+            + "\n[drift_policy]\nhard_examples = true\nhard_example_max_confidence = 0.95\n"
+            + f'\n[[webhooks]]\nname = "training"\nurl = "{self.hook_url}"\n'
+            + f'secret_file = "{self.hook_secret}"\nevents = ["retraining.*"]\n'
         )
         say(
-            f"    admin API token saved in {token_file}; the commands below "
+            "    controlplane.toml: devices send statistics every 2 s (inference_interval_s) and "
+            "keep inputs answered with a top score up to 0.95 ([drift_policy]); retraining "
+            f"triggers go to {self.hook_url} ([[webhooks]])"
+        )
+        say(
+            f"    admin API token saved in {self.token_file}; the commands below "
             f"read it from MCP_TOKEN and the server from MCP_SERVER={self.cp_url}"
         )
         self.step(f"Serve the control plane on {self.cp_url}")
+        argv = ["serve", "--data-dir", str(data), "--listen", f"{HOST}:{port}"]
         self.start(
             "controlplane",
-            [
-                str(self.bin / "mcp-controlplane"),
-                "serve",
-                "--data-dir",
-                str(data),
-                "--listen",
-                f"{HOST}:{port}",
-            ],
-            show=["mcp-controlplane", "serve", "--data-dir", str(data)],
+            [str(self.bin / "mcp-controlplane"), *argv],
+            show=["mcp-controlplane", *argv[:3]],
         )
         self.wait_for(
             "the control plane answering /healthz",
@@ -388,8 +530,8 @@ class Demo:
             with opener.open(f"{self.cp_url}/ui/login", timeout=10) as page:
                 form = page.read(1 << 20).decode("utf-8", "replace")
             found = re.search(r'name="csrf" value="([^"]+)"', form)
-            self.check(found is not None, f"no sign-in form at {self.cp_url}/ui/login")
-            assert found is not None
+            if found is None:
+                raise DemoError(f"no sign-in form at {self.cp_url}/ui/login")
             fields = {
                 "username": "admin",
                 "password": self.admin_password.read_text().strip(),
@@ -409,37 +551,17 @@ class Demo:
         )
         say(f"    signed in as admin: {url} answers with the console's overview")
 
-    def pipeline(self) -> None:
-        """Start the stand-in for the ML team's training pipeline: a webhook receiver."""
-        self.hook_secret = self.work / "webhook.secret"
-        self.hook_secret.write_text(secrets.token_hex(32) + "\n")
-        self.hook_secret.chmod(0o600)
-        self.hook_events = self.work / "pipeline-events.jsonl"
-        port = free_port_below_ephemeral(HOST)
-        self.hook_url = f"http://{HOST}:{port}/retrain"
-        self.step(f"Start the training pipeline's webhook receiver on {self.hook_url}")
-        self.start(
-            "pipeline",
-            [
-                sys.executable, "-m", "mcp_edge.tooling.webhook_receiver", "--host", HOST,
-                "--port", str(port), "--secret-file", str(self.hook_secret),
-                "--out", str(self.hook_events),
-            ],
-            show=["python", "-m", "mcp_edge.tooling.webhook_receiver", "--port", str(port),
-                  "--secret-file", str(self.hook_secret), "--out", str(self.hook_events)],
-        )  # fmt: skip
-
     def publish(self) -> None:
         models = self.work / "model"
         models.mkdir(exist_ok=True)
         self.step(
-            "Train three versions of a digits classifier (scikit-learn's 8x8 images, no download)"
+            f"Train {MODEL} {' and '.join(VERSIONS)} (scikit-learn's 8x8 images, no download)"
         )
         labels = models / "labels.txt"
         labels.write_text("\n".join(str(d) for d in range(10)) + "\n")
         for version, hidden in VERSIONS.items():
             onnx = models / f"digits-{version}.onnx"
-            if onnx.exists() and (models / "inverted.npy").exists():
+            if onnx.exists() and "test_data" in (_read_json(models / "samples.json") or {}):
                 say(f"    {version}: reusing {onnx}")
                 continue
             mlp = train_digits_mlp(seed=0, hidden_units=hidden)
@@ -448,131 +570,156 @@ class Demo:
                 f"    {version}: MLP with {hidden} hidden units, held-out accuracy "
                 f"{mlp.accuracy:.3f} -> {onnx}"
             )
-            (models / "samples.json").write_text(
-                json.dumps(
-                    {
-                        "data": [round(float(v), 4) for v in mlp.X_test[:N_SAMPLES].ravel()],
-                        "labels": mlp.y_test[:N_SAMPLES].tolist(),
-                    }
-                )
-            )
+            held_out = [round(float(v), 4) for v in mlp.X_test.ravel()]
+            samples = {
+                "data": held_out[: N_SAMPLES * 64],
+                "labels": mlp.y_test[:N_SAMPLES].tolist(),
+                "test_data": held_out,
+                "test_labels": mlp.y_test.tolist(),
+            }
+            (models / "samples.json").write_text(json.dumps(samples))
             # The drift baseline: the pixels the model was trained on, stored in the bundle.
             np.save(models / "baseline.npy", np.asarray(mlp.X_train, dtype=np.float32))
-            # What a camera with a flipped sensor would send: the held-out digits inverted.
-            np.save(models / "inverted.npy", 1.0 - np.asarray(mlp.X_test, dtype=np.float32))
         self.samples = json.loads((models / "samples.json").read_text())
         (models / "request.json").write_bytes(self.infer_body())
+        self.annotate(self.samples["test_data"], self.samples["test_labels"])
         key = models / "publisher.key"
         self.step("Make the ML team's publisher key and register it with the control plane")
         if not key.exists():
             self.cli("mcp-bundle", "keygen", "--out", str(key))
         self.cli(
-            "mcp-controlplane",
-            "publishers",
-            "add",
-            str(key.with_suffix(".pub")),
-            "--name",
-            "vision-team",
-        )
+            "mcp-controlplane", "publishers", "add", str(key.with_suffix(".pub")),
+            "--name", "vision-team",
+        )  # fmt: skip
+        self.step(f"Build, sign and publish {MODEL} {' and '.join(VERSIONS)} (TUF targets)")
         for version in VERSIONS:
-            self.step(f"Build, sign and publish {MODEL} {version} (a TUF target of the repository)")
             bundle = models / f"{MODEL}-{version}.mcpb"
             if not bundle.exists():
                 self.cli(
-                    "mcp-bundle",
-                    "build",
-                    str(models / f"digits-{version}.onnx"),
-                    "--name",
-                    MODEL,
-                    "--version",
-                    version,
-                    "--labels",
-                    str(labels),
-                    "--baseline",
-                    str(models / "baseline.npy"),
-                    "-o",
-                    str(bundle),
-                )
+                    "mcp-bundle", "build", str(models / f"digits-{version}.onnx"),
+                    "--name", MODEL, "--version", version, "--labels", str(labels),
+                    "--baseline", str(models / "baseline.npy"), "-o", str(bundle),
+                )  # fmt: skip
                 self.cli("mcp-bundle", "sign", str(bundle), "--key", str(key))
             self.cli("mcp-bundle", "push", str(bundle), "--no-progress")
-        say(
-            "    "
-            + self.cli("mcp-controlplane", "models", "show", MODEL, show=False)
-            .strip()
-            .replace("\n", "\n    ")
-        )
 
-    def agents(self) -> None:
-        self.step(f"Create an enrollment token for group '{GROUP}' (two uses, one hour)")
-        token = (
-            self.cli(
-                "mcp-controlplane",
-                "tokens",
-                "create",
-                "--group",
-                GROUP,
-                "--uses",
-                str(len(DEVICES)),
-                "--expires",
-                "1h",
-            )
-            .strip()
-            .splitlines()[-1]
-        )
-        for name in DEVICES:
-            state = self.work / "agents" / name
-            self.step(f"Enroll {name} and run it with no model")
-            self.cli(
-                "mcp-agent",
-                "enroll",
-                "--server",
-                self.cp_url,
-                "--token",
-                token,
-                "--device-id",
-                name,
-                "--state-dir",
-                str(state),
-            )
-            port = self.agent_ports[name] = free_port_below_ephemeral(HOST)
-            args = ["run", "--port", str(port), "--state-dir", str(state), "--health-interval", "5"]
-            self.start(name, [str(self.bin / "mcp-agent"), *args], show=["mcp-agent", *args])
-        self.wait_for(
-            f"{' and '.join(DEVICES)} online in GET /api/v1/devices",
-            lambda: all(self.devices()[n].get("online") for n in DEVICES),
-            60,
-            self.logs / "cam-1.log",
-        )
-        say(f"    {' and '.join(DEVICES)} are online, serving nothing yet")
-
-    def deploy_first(self) -> None:
+    def drift_rule(self) -> None:
         self.step(
-            f"Deploy {MODEL} 1.0.0 to group '{GROUP}': each agent fetches it over MQTT "
-            "through TUF, checks it and swaps it in"
+            f"A drift rule for {MODEL}: a retraining trigger when the fleet's input PSI "
+            "passes 0.2 over 200 samples in a 10 s bucket"
         )
-        self.cli("mcp-controlplane", "deploy", MODEL, "1.0.0", "--group", GROUP)
-        body = self.infer_body()
-        for name in DEVICES:
-            url = f"http://{HOST}:{self.agent_ports[name]}/v2/models/{MODEL}/infer"
+        self.cli(
+            "mcp-controlplane", "drift", "rules", "set", MODEL, "--metric", "input_psi",
+            "--threshold", "0.2", "--min-devices", "1", "--min-samples", "200",
+            "--sustained", "1", "--cooldown", "1h", "--window", "10s",
+        )  # fmt: skip
 
-            def serving(url: str = url) -> bool:
-                return bool(http_json(url, body=body)[1]["model_version"] == "1.0.0")
+    def receiver(self) -> None:
+        """Start the retraining receiver with an operator account of its own."""
+        password, token = self.work / "trainer.password", self.work / "trainer.token"
+        password.write_text(secrets.token_urlsafe(18) + "\n")
+        password.chmod(0o600)
+        self.step("Give the training pipeline an operator account of its own and an API token")
+        self.cli(
+            "mcp-controlplane", "users", "create", "trainer", "--role", "operator",
+            "--password-file", str(password),
+        )  # fmt: skip
+        login = ["login", "-u", "trainer", "--password-file", str(password)]
+        out = self.cli("mcp-controlplane", *login, "--name", "retrain-receiver")
+        atomic_write_bytes(token, out.strip().splitlines()[-1].encode() + b"\n", mode=0o600)
+        spec = self.work / "retrain-rollout.json"
+        spec.write_text(json.dumps(V3_ROLLOUT, indent=1) + "\n")
+        self.step(
+            f"Start the retraining receiver on {self.hook_url}: it retrains {MODEL} when a "
+            "trigger's webhook comes"
+        )
+        listen = urllib.parse.urlsplit(self.hook_url).netloc
+        args = [
+            "--control-plane", self.cp_url, "--token-file", str(token),
+            "--secret-file", str(self.hook_secret),
+            "--publisher-key", str(self.work / "model/publisher.key"),
+            "--annotations", str(self.work / "annotations.json"),
+            "--rollout-spec", str(spec), "--work-dir", str(self.work / "retrain"),
+            "--listen", listen,
+        ]  # fmt: skip
+        script = str(REPO / "deploy/retrain_receiver.py")
+        self.start(
+            "retrain-receiver", [sys.executable, script, *args], show=["python", script, *args]
+        )
+        self.wait_for(
+            "the retraining receiver listening",
+            lambda: "receiving" in (self.logs / "retrain-receiver.log").read_text(),
+            60,
+            self.logs / "retrain-receiver.log",
+        )
 
-            self.wait_for(f"{name} serving {MODEL} 1.0.0", serving, 120, self.logs / f"{name}.log")
-        self.step("Ask each agent over HTTP (Open Inference Protocol)")
-        for name in DEVICES:
-            url = f"http://{HOST}:{self.agent_ports[name]}/v2/models/{MODEL}/infer"
-            self._show(
-                "curl",
-                [
-                    "-s",
-                    "-H",
-                    "Content-Type: application/json",
-                    "-d",
-                    "@" + str(self.work / "model/request.json"),
-                    url,
-                ],
+    def fleet(self) -> None:
+        self.step(f"Create an enrollment token for group '{GROUP}' ({len(AGENTS)} uses, one hour)")
+        out = self.cli(
+            "mcp-controlplane", "tokens", "create", "--group", GROUP,
+            "--uses", str(len(AGENTS)), "--expires", "1h",
+        )  # fmt: skip
+        token = out.strip().splitlines()[-1]
+        self.step(
+            f"Enroll {', '.join(AGENTS)} with three hardware profiles and run them with no model"
+        )
+        for name, profile in AGENTS.items():
+            state = self.work / "agents" / name
+            self.cli(
+                "mcp-agent", "enroll", "--server", self.cp_url, "--token", token,
+                "--device-id", name, "--profile", profile, "--state-dir", str(state),
+            )  # fmt: skip
+            port = self.agent_ports[name] = free_port_below_ephemeral(HOST)
+            args = ["run", "--port", str(port), "--state-dir", str(state), "--profile", profile,
+                    "--health-interval", "5"]  # fmt: skip
+            self.start(name, [str(self.bin / "mcp-agent"), *args], show=["mcp-agent", *args])
+        sims = self.work / "sim"
+        self.step(
+            f"Enroll {SIM_DEVICES} simulated devices in group '{GROUP}' and run them (mcp-sim)"
+        )
+        args = ["enroll", "--control-plane", self.cp_url, "--devices", str(SIM_DEVICES),
+                "--group", GROUP, "--state-dir", str(sims)]  # fmt: skip
+        say("    $ " + shlex.join(["mcp-sim", *args]) + ' --token "$MCP_TOKEN"')
+        self.cli("mcp-sim", *args, env={"MCP_SIM_TOKEN": self.token}, show=False)
+        args = ["run", "--state-dir", str(sims), "--status-file", str(sims / "status.json"),
+                "--health-interval", "5", "--summary-interval", "30"]  # fmt: skip
+        self.start("sim", [str(self.bin / "mcp-sim"), *args], show=["mcp-sim", *args])
+        want = len(AGENTS) + SIM_DEVICES
+        self.wait_for(
+            f"{want} devices of group {GROUP} online in GET /api/v1/devices",
+            lambda: sum(d["online"] for d in self.devices().values()) == want,
+            90,
+            self.logs / "sim.log",
+        )
+        say(f"    {want} devices online ({len(AGENTS)} agents, {SIM_DEVICES} simulated), no model")
+
+    def first_version(self) -> None:
+        self.step(
+            f"Roll {MODEL} 1.0.0 out to group '{GROUP}' in two stages: 20 % first, gated on "
+            "install failures, then the rest"
+        )
+        self.rollout("1.0.0", V1_STAGES, "two stages")
+        devices = self.devices()
+        for name, profile in AGENTS.items():
+            d = devices[name]
+            model: dict[str, Any] = next((m for m in d["models"] if m["model"] == MODEL), {})
+            say(
+                f"    {name}: profile {d['profile']}, runs {MODEL} "
+                f"{model.get('reported_version')} on {model.get('backend')}"
             )
+            self.check(d["profile"] == profile, f"{name} reports profile {d['profile']}")
+        self.wait_for(
+            f"every device of group {GROUP} running {MODEL} 1.0.0",
+            lambda: len(self.running("1.0.0")) == len(AGENTS) + SIM_DEVICES,
+            60,
+            self.logs / "sim.log",
+        )
+        self.step("Ask each agent over HTTP (Open Inference Protocol)")
+        body = self.infer_body()
+        for name in AGENTS:
+            url = self.infer_url(name)
+            request = "@" + str(self.work / "model/request.json")
+            self._show("curl", ["-s", "-H", "Content-Type: application/json", "-d", request, url])
             status, answer = http_json(url, body=body)
             self.check(
                 status == 200 and answer["model_version"] == "1.0.0",
@@ -580,43 +727,25 @@ class Demo:
                 f"read {self.logs / (name + '.log')}",
             )
             self.show_answer(f"{name} over HTTP", answer)
+        self.mqtt_inference()
 
     def mqtt_inference(self) -> None:
         self.step(
             f"Ask the fleet over MQTT (mcp/v1/fleet/infer/{MODEL}; one agent answers) "
             f"with an application account"
         )
-        account = json.loads(
-            self.cli(
-                "mcp-controlplane",
-                "apps",
-                "create",
-                APP_CLIENT,
-                "--description",
-                "demo MQTT client",
-                "--json",
-            )
-        )
+        create = ["apps", "create", APP_CLIENT, "--description", "demo MQTT client", "--json"]
+        account = json.loads(self.cli("mcp-controlplane", *create))
         say(
             f"    (the control plane made the broker account {account['username']}; it may "
             f"send requests and read {account['reply_topic']} only; the password, shown once, "
             f"goes in MCP_MQTT_PASSWORD)"
         )
         args = [
-            "infer",
-            "--mqtt",
-            f"{HOST}:{self.broker_port}",
-            "--model",
-            MODEL,
-            "--data",
-            "@" + str(self.work / "model/request.json"),
-            "--client-id",
-            APP_CLIENT,
-            "--username",
-            account["username"],
-            "--timeout",
-            "10",
-        ]
+            "infer", "--mqtt", f"{HOST}:{self.broker_port}", "--model", MODEL,
+            "--data", "@" + str(self.work / "model/request.json"), "--client-id", APP_CLIENT,
+            "--username", account["username"], "--timeout", "10",
+        ]  # fmt: skip
         env = {"MCP_MQTT_PASSWORD": account["password"]}
         # An agent joins a model's fleet topic right after the deployment that made it live;
         # the HTTP check above can pass a moment before that subscription is granted.
@@ -634,161 +763,35 @@ class Demo:
         )
         self.show_answer("the fleet over MQTT", answer)
 
-    def hot_swap(self) -> None:
-        self.step(f"Deploy {MODEL} 1.1.0 to cam-1 only, while clients keep asking both agents")
-        clients = {
-            n: Client(
-                f"http://{HOST}:{self.agent_ports[n]}/v2/models/{MODEL}/infer", self.infer_body()
-            )
-            for n in DEVICES
-        }
-        for c in clients.values():
-            c.start()
-        cam1 = clients["cam-1"]
-        try:
-            self.wait_for(
-                "the clients under way",
-                lambda: all(len(c.versions) >= 20 for c in clients.values()),
-                30,
-                self.logs / "cam-1.log",
-            )
-            self.cli("mcp-controlplane", "deploy", MODEL, "1.1.0", "--device", "cam-1")
-            self.wait_for(
-                "cam-1 answering with 1.1.0",
-                lambda: cam1.versions and cam1.versions[-1] == "1.1.0",
-                120,
-                self.logs / "cam-1.log",
-            )
-            seen = len(cam1.versions)
-            self.wait_for(
-                "more answers after the swap",
-                lambda: len(cam1.versions) >= seen + 20,
-                30,
-                self.logs / "cam-1.log",
-            )
-        finally:
-            for c in clients.values():
-                c.stop.set()
-            for c in clients.values():
-                c.join(timeout=15)
-        for name, c in clients.items():
-            counts = ", ".join(f"{n} by {v}" for v, n in sorted(Counter(c.versions).items()))
-            say(
-                f"    {name}: {len(c.versions)} requests answered ({counts}), "
-                f"{len(c.failures)} failed"
-            )
-        failed = {n: c.failures[:3] for n, c in clients.items() if c.failures}
-        self.check(
-            not failed,
-            f"requests failed during the update: {failed}; read {self.logs / 'cam-1.log'}",
-        )
-        first_new = cam1.versions.index("1.1.0")
-        self.check(
-            set(cam1.versions[:first_new]) == {"1.0.0"}
-            and set(cam1.versions[first_new:]) == {"1.1.0"},
-            "cam-1 did not go from 1.0.0 to 1.1.0 in one swap",
-        )
-        self.check(set(clients["cam-2"].versions) == {"1.0.0"}, "cam-2 left 1.0.0")
-        say(f"    cam-1 moved to {MODEL} 1.1.0 with 0 failed requests; cam-2 stayed on 1.0.0")
-
-    def report(self) -> None:
-        self.step("The device list")
-        say(
-            "    "
-            + self.cli("mcp-controlplane", "devices", "list").rstrip().replace("\n", "\n    ")
-        )
-        self.step("cam-1's flight recorder: its deployment events as the control plane stored them")
-        path = "/api/v1/devices/cam-1/events?limit=200"
-        say(f'    $ curl -s -H "Authorization: Bearer $MCP_TOKEN" "$MCP_SERVER{path}"')
-
-        def events() -> list[dict[str, Any]]:
-            items: list[dict[str, Any]] = self.api(path)["items"]
-            return items
-
-        self.wait_for(
-            "cam-1's 1.1.0 activation event at the control plane",
-            lambda: any(
-                (e["version"], e["phase"], e["outcome"]) == ("1.1.0", "active", "ok")
-                for e in events()
-            ),
-            60,
-            self.logs / "controlplane.log",
-        )
-        say(f"    {'seq':>4}  {'version':<8} {'phase':<12} {'outcome':<9} {'ms':>6}  detail")
-        for e in events():
-            if e["phase"] == "downloading" and e.get("bytes_total"):
-                detail = f"{e.get('bytes_done') or 0} of {e['bytes_total']} bytes"
-            else:
-                detail = " ".join(str(x) for x in (e.get("cause"), e.get("message")) if x)
-            ms = "" if e.get("elapsed_ms") is None else f"{e['elapsed_ms']:.0f}"
-            say(
-                f"    {e['event_seq']:>4}  {e['version']:<8} {e['phase']:<12} {e['outcome']:<9} "
-                f"{ms:>6}  {detail}"
-            )
-
-    def rollout(self) -> None:
+    def canary(self) -> None:
         self.step(
-            f"Roll {MODEL} 1.2.0 out to group '{GROUP}' in two stages: one device first, gated "
-            "on install failures, then the rest"
+            f"Roll {MODEL} 2.0.0 out as a canary: half the requests of 20 % of the group, "
+            "gated on the error rate of live traffic, then the rest; clients keep asking "
+            f"each agent {LIVE_RATE:.0f} times a second"
         )
-        answer = json.loads(
-            self.cli(
-                "mcp-controlplane",
-                "rollouts",
-                "create",
-                MODEL,
-                "1.2.0",
-                "--group",
-                GROUP,
-                "--stage",
-                "1:bake=3s:gate=install_failure_rate<0.5,min_devices=1",
-                "--stage",
-                "rest:bake=0s",
-                "--json",
-            )
-        )
-        rollout_id = str(answer["id"])
-        self.step(f"Watch rollout {rollout_id}: stages, devices and gates until it ends")
-        out = self.cli(
-            "mcp-controlplane", "rollouts", "watch", rollout_id, "--interval", "0.5s",
-            timeout_s=180,
-        )  # fmt: skip
-        say("    " + out.strip().replace("\n", "\n    "))
-        shown = self.api(f"/api/v1/rollouts/{rollout_id}")["rollout"]
-        self.check(shown["status"] == "succeeded", f"rollout {rollout_id}: {shown['reason']}")
-        for name in DEVICES:
-            url = f"http://{HOST}:{self.agent_ports[name]}/v2/models/{MODEL}/infer"
-            self.wait_for(
-                f"{name} answering with 1.2.0",
-                lambda url=url: self._answering(url) == "1.2.0",
-                60,
-                self.logs / f"{name}.log",
-            )
-        say(f"    rollout {rollout_id} succeeded: cam-1 and cam-2 run {MODEL} 1.2.0")
+        with self.live_traffic() as clients:
+            self.rollout("2.0.0", V2_STAGES, "a canary gated on live traffic")
+            self.check_live(clients, "2.0.0")
+        say(f"    the fleet moved to {MODEL} 2.0.0 with 0 failed requests")
 
     def drift(self) -> None:
+        digits = load_digits()
+        chosen = np.random.default_rng(1).permutation(len(digits.target))[:N_DRIFTED]
+        inverted = [round(float(v), 4) for v in (1.0 - digits.data[chosen] / 16.0).ravel()]
+        truth = [int(t) for t in digits.target[chosen]]
+        self.annotate(inverted, truth)
         self.step(
-            f"A drift rule for {MODEL}: a retraining trigger when the fleet's input PSI "
-            "passes 0.2 over 200 samples"
+            f"{DRIFTED}'s sensor flips: it is sent {N_DRIFTED} inverted digits, which the agent "
+            "bins on the bundle's baseline (windows of 200) and keeps where it is unsure"
         )
-        self.cli(
-            "mcp-controlplane", "drift", "rules", "set", MODEL, "--metric", "input_psi",
-            "--threshold", "0.2", "--min-devices", "1", "--min-samples", "200",
-            "--sustained", "1", "--cooldown", "1h", "--window", "60s",
-        )  # fmt: skip
-        url = f"http://{HOST}:{self.agent_ports['cam-1']}/v2/models/{MODEL}/infer"
-        inverted = np.load(self.work / "model/inverted.npy")[:400]
-        self.step(
-            "cam-1's sensor flips: it sends 400 inverted digits; the agent bins them on the "
-            "bundle's baseline and reports two windows of 200"
+        status, answer = http_json(
+            self.infer_url(DRIFTED), body=self.infer_body(inverted, N_DRIFTED)
         )
-        for chunk in (inverted[:200], inverted[200:]):
-            body = json.dumps(
-                {"inputs": [{"name": "input", "shape": list(chunk.shape), "datatype": "FP32",
-                             "data": [round(float(v), 4) for v in chunk.ravel()]}]}
-            ).encode()  # fmt: skip
-            status, answer = http_json(url, body=body)
-            self.check(status == 200, f"cam-1 refused inverted digits (HTTP {status}): {answer}")
+        self.check(status == 200, f"{DRIFTED} refused inverted digits (HTTP {status})")
+        right = sum(p == t for p, t in zip(self.predictions(answer, N_DRIFTED), truth, strict=True))
+        say(
+            f"    {MODEL} {answer['model_version']} got {right} of {N_DRIFTED} inverted digits right"
+        )
         self.wait_for(
             "a retraining trigger for digits",
             lambda: self._triggers() != [],
@@ -796,83 +799,107 @@ class Demo:
             self.logs / "controlplane.log",
         )
         trigger = self._triggers()[0]
-        trigger_id = str(trigger["id"])
+        self.trigger_id = int(trigger["id"])
         score = trigger["score"]
         say(
-            f"    trigger {trigger_id}: {MODEL} {trigger['version']}, input PSI "
+            f"    trigger {trigger['id']}: {MODEL} {trigger['version']}, input PSI "
             f"{'-' if score is None else f'{float(score):.2f}'} from "
             f"{trigger['device_count']} device(s)"
         )
-        out = self.cli("mcp-controlplane", "drift", "show", MODEL, "--version", "1.2.0")
-        say("    " + out.strip().replace("\n", "\n    "))
-        self.step("The training pipeline got the signed webhook (signature and replay checked)")
-        self.wait_for(
-            "the retraining.triggered webhook at the pipeline",
-            lambda: "retraining.triggered" in self._pipeline_events(),
-            60,
-            self.logs / "pipeline.log",
-        )
-        event = json.loads(self._pipeline_events().splitlines()[-1])
-        say(f"    {self.hook_events}: {event['event']} delivery {event['delivery']}")
-        self.step(f"Collect trigger {trigger_id}'s hard examples and download them as a dataset")
-        out = self.cli("mcp-controlplane", "drift", "examples", "collect", trigger_id)
-        say("    " + out.strip().replace("\n", "\n    "))
-        dataset = self.work / "hard-examples"
         out = self.cli(
-            "mcp-controlplane", "drift", "examples", "download", trigger_id, "-o", str(dataset),
-            "--no-progress",
-        )  # fmt: skip
-        say("    " + out.strip().replace("\n", "\n    "))
-        files = sorted(dataset.glob("*.npz"))
-        self.check(files != [], f"no .npz dataset in {dataset}")
-        with np.load(files[0], allow_pickle=False) as npz:
-            inputs = npz["inputs"]
-        sent = {row.tobytes() for row in inverted}
-        self.check(
-            len(inputs) > 0 and all(row.tobytes() in sent for row in inputs),
-            f"the dataset's inputs are not the inverted digits cam-1 was sent ({dataset})",
+            "mcp-controlplane", "drift", "show", MODEL, "--version", "2.0.0", "--since", "30s"
         )
-        say(f"    {len(inputs)} hard examples, each byte-identical to an input cam-1 was sent")
+        say(indent(out))
+
+    def retrain(self) -> None:
+        log = self.logs / "retrain-receiver.log"
+        self.step(
+            "The retraining receiver gets the signed webhook, collects the hard examples, "
+            f"trains {MODEL} {RETRAINED}, signs and pushes it, and starts its rollout "
+            f"(deploy/retrain_receiver.py; log {log})"
+        )
+        shown = 0
+
+        def follow(marker: str) -> bool:
+            nonlocal shown
+            mine = f" trigger {self.trigger_id}: "
+            lines = [ln for ln in log.read_text().splitlines() if mine in ln]
+            for line in lines[shown:]:
+                say("    receiver: " + line.split(" ", 3)[-1])
+                if "giving up" in line:
+                    raise DemoError(f"the retraining receiver gave up: {line}; read {log}")
+            shown = len(lines)
+            return any(marker in ln for ln in lines)
+
+        self.wait_for(
+            "the receiver's download of the hard examples", lambda: follow(" downloaded "), 90, log
+        )
+        dataset = sorted((self.work / "retrain").glob("trigger-*/hard-examples-*.npz"))
+        with np.load(dataset[0], allow_pickle=False) as npz:
+            inputs = npz["inputs"]
+        self.check(
+            len(inputs) > 0 and all(row.astype("<f4").tobytes() in self.sent for row in inputs),
+            f"the hard examples in {dataset[0]} are not inputs the agents were sent",
+        )
+        with self.live_traffic() as clients:
+            self.wait_for("the receiver's rollout", lambda: follow(" started rollout "), 180, log)
+            self.rollout(RETRAINED, None, "the retrained version, a canary gated on live traffic")
+            self.check_live(clients, RETRAINED)
+        self.wait_for(
+            "the receiver acknowledging the trigger", lambda: follow(" acknowledged"), 30, log
+        )
+        say(f"    {len(inputs)} hard examples, each byte-identical to an input an agent was sent")
+        want = len(AGENTS) + SIM_DEVICES
+        self.wait_for(
+            f"all {want} devices reporting {MODEL} {RETRAINED}",
+            lambda: len(self.running(RETRAINED)) == want,
+            60,
+            self.logs / "sim.log",
+        )
+        triggers = [f"{t['id']} ({t['version']})" for t in self._triggers()]
+        self.check(
+            len(triggers) == 1,
+            f"ordinary traffic raised retraining triggers as well: {', '.join(triggers)}",
+        )
+        out = self.cli("mcp-controlplane", "models", "show", MODEL)
+        say(indent(out))
+        say(
+            f"\nv3 rolled out: {MODEL} {RETRAINED} runs on all {want} devices of group "
+            f"'{GROUP}' ({len(AGENTS)} agents, {SIM_DEVICES} simulated), 0 failed requests"
+        )
 
     def _triggers(self) -> list[dict[str, Any]]:
         found = self.api(f"/api/v1/drift/triggers?model={MODEL}")
         return list(found.get("items", []))
 
-    def _pipeline_events(self) -> str:
-        return self.hook_events.read_text() if self.hook_events.exists() else ""
-
-    def _answering(self, url: str) -> str | None:
-        status, answer = http_json(url, body=self.infer_body())
-        return str(answer.get("model_version")) if status == 200 else None
-
     def summary(self) -> None:
         ports = self.agent_ports
         pids = {s.name: s.process.pid for s in self.services}
         request = self.work / "model/request.json"
-        cam2 = f"http://{HOST}:{ports['cam-2']}"
+        agents = "\n".join(
+            f"  {n}          http://{HOST}:{ports[n]}   ({p}, pid {pids[n]})"
+            for n, p in AGENTS.items()
+        )
         say(f"""
 The fleet is running ({_took(self.started)} to set up). Logs: {self.logs}/
   control plane  {self.cp_url}   (admin API token in {self.token_file})
   web console    {self.cp_url}/ui/   (user admin, password in {self.admin_password})
   broker         mqtt://{HOST}:{self.broker_port}
-  cam-1          http://{HOST}:{ports["cam-1"]}   ({MODEL} 1.2.0, pid {pids["cam-1"]})
-  cam-2          {cam2}   ({MODEL} 1.2.0, pid {pids["cam-2"]})
+{agents}
+  simulated      {SIM_DEVICES} devices (mcp-sim, pid {pids["sim"]}), state in {self.work / "sim"}
+  receiver       {self.hook_url}   (pid {pids["retrain-receiver"]}), work dir {self.work / "retrain"}
 
 Try, in another terminal (from any directory):
   export PATH={self.bin}:$PATH MCP_SERVER={self.cp_url} MCP_TOKEN=$(cat {self.token_file})
-  mcp-controlplane devices list
-  mcp-controlplane desired models cam-1                        # desired vs reported
-  curl -s -H 'Content-Type: application/json' -d @{request} {cam2}/v2/models/{MODEL}/infer
-  mcp-controlplane rollouts history 1                          # every decision and who made it
-  mcp-controlplane rollouts rollback 1 --reason "try it"       # cam-1 back to 1.1.0, cam-2 to 1.0.0
-  mcp-controlplane deploy {MODEL} 1.0.0 --device cam-1          # refused: a downgrade
-  mcp-controlplane deploy {MODEL} 1.0.0 --device cam-1 --rollback
-  mcp-agent updates --state-dir {self.work / "agents/cam-1"}  # what cam-1 has on disk
+  mcp-controlplane devices list --group {GROUP}
+  mcp-controlplane rollouts list                               # 1.0.0, 2.0.0 and 3.0.0
+  mcp-controlplane rollouts history 3                          # every decision and who made it
+  mcp-controlplane drift triggers show 1                       # acknowledged by the receiver
+  curl -s -H 'Content-Type: application/json' -d @{request} http://{HOST}:{ports["cam-2"]}/v2/models/{MODEL}/infer
+  mcp-controlplane rollouts rollback 3 --reason "try it"       # the fleet back to 2.0.0
   mcp-controlplane desired show cam-1                          # the signed desired state
+  mcp-agent updates --state-dir {self.work / "agents/cam-1"}  # what cam-1 has on disk
   mcp-controlplane audit                                       # who did what
-  mcp-controlplane drift triggers list
-  mcp-controlplane drift show {MODEL} --device cam-1            # cam-1's drift reports
-  mcp-controlplane drift triggers ack 1 --note "retraining"    # acknowledge the trigger
 """)
 
     def watch(self) -> None:
@@ -886,7 +913,8 @@ Try, in another terminal (from any directory):
             time.sleep(0.5)
 
     def stop_all(self) -> list[str]:
-        """Stop agents, then the control plane, then the broker (SIGTERM, SIGKILL after 20 s).
+        """Stop the simulator, agents, receiver, control plane, then the broker (SIGTERM,
+        SIGKILL after 20 s).
 
         Returns:
             One line per process that did not exit cleanly.
@@ -914,13 +942,21 @@ Try, in another terminal (from any directory):
         self.broker()
         self.control_plane()
         self.publish()
-        self.agents()
-        self.deploy_first()
-        self.mqtt_inference()
-        self.hot_swap()
-        self.report()
-        self.rollout()
+        self.drift_rule()
+        self.receiver()
+        self.fleet()
+        self.first_version()
+        self.canary()
         self.drift()
+        self.retrain()
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON document in `path`, or None when there is none to read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _took(since: float) -> str:
@@ -1008,7 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 say(f"demo: {line}")
             if unclean and args.smoke:
                 status = 1
-            say("demo: agents, control plane and broker stopped")
+            say("demo: simulator, agents, receiver, control plane and broker stopped")
     return status
 
 

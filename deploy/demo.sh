@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The fleet demo: Mosquitto, the control plane and two agents on this machine, driven by the
-# real CLIs (deploy/demo.py; docs/demo.md says what each step shows).
+# The closed-loop fleet demo: Mosquitto, the control plane, three agents, 20 simulated devices
+# and the retraining receiver on this machine, driven by the real CLIs: 1.0.0 in stages, 2.0.0
+# as a canary, drift, a retraining trigger, 3.0.0 trained and rolled out (deploy/demo.py;
+# docs/demo.md says what each step shows).
 #   bash deploy/demo.sh                       # runs until Ctrl-C
 #   bash deploy/demo.sh --smoke               # every step checked, then everything stopped
 #   bash deploy/demo.sh --work-dir /tmp/demo  # default .cache/demo, wiped at start; --keep

@@ -5,7 +5,8 @@ What a training pipeline's endpoint has to do, in one small aiohttp app: read th
 (:func:`mcp_edge.controlplane.webhooks.verify_signature`), refuse an ``X-MCP-Delivery`` id it has
 seen before (a replayed or retried delivery), answer 2xx only when the event is recorded, and
 append each accepted event as one JSON line to ``--out`` (fsynced, so a crash loses nothing it
-acknowledged). The demo runs it as the "training pipeline"::
+acknowledged). It records events and acts on none (deploy/retrain_receiver.py acts on
+retraining triggers)::
 
     python -m mcp_edge.tooling.webhook_receiver --port 9100 --secret-file hook.secret \\
         --out events.jsonl
