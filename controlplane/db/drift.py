@@ -412,6 +412,7 @@ async def lock_aggregate(
                 DriftAggregateRow.model == model,
                 DriftAggregateRow.version == version,
                 DriftAggregateRow.bucket_start == start,
+                DriftAggregateRow.bucket_s == bucket_s,
             )
             .with_for_update()
             .execution_options(populate_existing=True)
@@ -421,7 +422,7 @@ async def lock_aggregate(
 
 
 async def update_aggregate(
-    tx: Tx, model: str, version: str, start: datetime, **values: Any
+    tx: Tx, model: str, version: str, start: datetime, bucket_s: int, **values: Any
 ) -> None:
     await tx.execute(
         update(AGGREGATES)
@@ -429,6 +430,7 @@ async def update_aggregate(
             AGGREGATES.c.model == model,
             AGGREGATES.c.version == version,
             AGGREGATES.c.bucket_start == start,
+            AGGREGATES.c.bucket_s == bucket_s,
         )
         .values(**values)
     )

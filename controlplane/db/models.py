@@ -582,6 +582,8 @@ class DriftReportRow(Base):
 class DriftAggregateRow(Base):
     """The fleet's summed counts of one model version over one time bucket (``bucket_s`` long,
     by receive time), with the PSI of the sum; ``figures`` is the full score (per-feature PSI).
+    A bucket is its start and its length: after a rule's window changes, the new buckets never
+    add to an old one that starts at the same instant.
     ``over``: the bucket met its rule when last scored."""
 
     __tablename__ = "drift_aggregates"
@@ -589,7 +591,7 @@ class DriftAggregateRow(Base):
     model: Mapped[str] = mapped_column(String(64), primary_key=True)
     version: Mapped[str] = mapped_column(String(128), primary_key=True)
     bucket_start: Mapped[datetime] = mapped_column(primary_key=True)
-    bucket_s: Mapped[int] = mapped_column(Integer)
+    bucket_s: Mapped[int] = mapped_column(Integer, primary_key=True)
     samples: Mapped[int] = mapped_column(BigInteger)
     reports: Mapped[int] = mapped_column(BigInteger)
     devices: Mapped[int] = mapped_column(Integer)

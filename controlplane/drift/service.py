@@ -338,7 +338,7 @@ class DriftService:
             scores = layout.score(total, samples)
             shown = figures(scores)
             await q.update_aggregate(
-                tx, model, version, at,
+                tx, model, version, at, rule.window_s,
                 samples=samples, reports=current.reports + reports, devices=devices,
                 counts=layout.to_document(total), score=scores.score, input_psi=scores.input_psi,
                 class_psi=scores.class_psi, confidence_psi=scores.confidence_psi, figures=shown,

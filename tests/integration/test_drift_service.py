@@ -348,6 +348,36 @@ async def test_too_few_devices_or_samples_hold_a_trigger_back(
     assert await fleet.triggers() == []
 
 
+async def test_a_rule_whose_window_changes_judges_new_buckets_of_its_own_length(
+    fleet: DriftFleet, baseline: DriftBaseline
+) -> None:
+    """Buckets are a start and a length: after the window shrinks from 300 s to 10 s, the
+    10 s bucket that starts at the same instant as the running 300 s one is a bucket of its
+    own, scored and judged by the rule (it used to be added to the 300 s row and never seen)."""
+    await _set_rule(fleet, **{**RULE, "window_s": 300, "sustained": 1})
+    start = fleet.clock().timestamp()
+    fleet.clock.advance(seconds=300 - start % 300 + 2)  # 2 s into a 300 s (and 10 s) bucket
+    traffic = Traffic(baseline, seed=6)
+    for device in DEVICES:  # undrifted traffic opens the 300 s bucket
+        fleet.send(device, traffic.report(fleet.clock, device))
+    await fleet.flush()
+    assert await fleet.triggers() == []
+    (opened,) = await fleet.buckets()
+    assert opened.bucket_s == 300 and not opened.over
+
+    await _set_rule(fleet, **{**RULE, "window_s": 10, "sustained": 1})
+    fleet.clock.advance(seconds=3)  # same 10 s bucket start as the 300 s one
+    for device in DEVICES:
+        fleet.send(device, traffic.report(fleet.clock, device, shift=1.5, n=400))
+    await fleet.flush()
+    buckets = {b.bucket_s: b for b in await fleet.buckets()}
+    assert set(buckets) == {10, 300}
+    assert buckets[10].bucket_start == buckets[300].bucket_start
+    assert buckets[10].over and buckets[300].samples == opened.samples
+    (trigger,) = await fleet.triggers()
+    assert trigger.rule["window_s"] == 10
+
+
 # ---------------------------------------------------------------------------- REST
 @pytest.fixture
 async def cp(database_url: str, tmp_path: Path) -> AsyncIterator[ControlPlane]:
