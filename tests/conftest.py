@@ -20,6 +20,13 @@ from mcp_edge.tooling.models import DigitsModels, make_digits_models
 from mcp_edge.tooling.mosquitto import DynsecMosquittoBroker, MosquittoBroker
 
 POSTGRES_URL_ENV = "MCP_TEST_POSTGRES_URL"
+PROFILE_ENV = "MCP_PROFILE"
+
+# Agents the tests start (`mcp-agent serve/run` as processes, which read MCP_PROFILE) run on the
+# generic profile, so their answers are onnxruntime's whatever CPU runs the suite: detection
+# would pick intel-xeon on a Xeon, whose OpenVINO backend uses bf16 where the CPU has it.
+# Tests of another profile name it (--profile); tests of detection remove this (test_hardware).
+os.environ.setdefault(PROFILE_ENV, "generic-x86_64")
 
 
 @pytest.fixture(scope="session")

@@ -358,13 +358,18 @@ class OpenVINORunner:
                     array = checked[self._single_input]
                     if not array.flags.c_contiguous:
                         array = np.ascontiguousarray(array)
-                    request.set_input_tensor(tensor(array, shared_memory=True))
+                    # Shared only when writeable: OpenVINO refuses to share a read-only array
+                    # (a binary request's tensor is a view of the request body), so copy it.
+                    request.set_input_tensor(
+                        tensor(array, shared_memory=bool(array.flags.writeable))
+                    )
                 else:
                     for index, name in enumerate(self._input_names):
                         array = checked[name]
                         if not array.flags.c_contiguous:
                             array = np.ascontiguousarray(array)
-                        request.set_input_tensor(index, tensor(array, shared_memory=True))
+                        shared = bool(array.flags.writeable)
+                        request.set_input_tensor(index, tensor(array, shared_memory=shared))
             except Exception as e:
                 raise InputError(f"{self._label}: {_first_line(e)}") from e
             try:

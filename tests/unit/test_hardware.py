@@ -42,6 +42,12 @@ XAVIER_ERA_RELEASE = (
 ARM_FEATURES = "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimddp"
 
 
+@pytest.fixture(autouse=True)
+def _detect(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The doctor CLI detects the profile here (tests/conftest.py names one for agents)."""
+    monkeypatch.delenv("MCP_PROFILE", raising=False)
+
+
 def arm_cpuinfo(part: str, cores: int, extra: str = "") -> str:
     block = (
         "processor\t: {n}\nBogoMIPS\t: 62.50\nFeatures\t: " + ARM_FEATURES + "\n"

@@ -178,6 +178,21 @@ def test_non_contiguous_and_big_endian_feeds_are_accepted(digits: DigitsModels) 
     np.testing.assert_allclose(runner.run({IN: X.astype(">f4")})[OUT], want, atol=1e-7)
 
 
+def test_read_only_feeds_are_accepted(digits: DigitsModels, tmp_path: Path) -> None:
+    """A binary-tensor request's input is a read-only view of the request body."""
+    runner = OpenVINORunner(digits.onnx_path)
+    X = np.ascontiguousarray(digits.X_test[:6])
+    want = runner.run({IN: X})[OUT]
+    body = np.frombuffer(X.tobytes(), dtype=np.float32).reshape(X.shape)
+    assert not body.flags.writeable
+    np.testing.assert_allclose(runner.run({IN: body})[OUT], want, atol=1e-7)
+    a = np.frombuffer(np.arange(6, dtype=np.float32).tobytes(), dtype=np.float32).reshape(2, 3)
+    pair = tmp_path / "pair.onnx"
+    _pair_model(pair)
+    got = OpenVINORunner(pair).run({"a": a, "b": a})
+    np.testing.assert_array_equal(got["sum"], a + a)
+
+
 @pytest.mark.parametrize(
     ("make_feeds", "reason"),
     [
@@ -201,7 +216,8 @@ def test_bad_feeds_raise_input_error_naming_the_input(
     assert runner.run({IN: digits.X_test[:2]})[OUT].shape == (2, 10)
 
 
-def test_two_inputs_and_two_outputs(tmp_path: Path) -> None:
+def _pair_model(path: Path) -> None:
+    """Two inputs a and b (N x 3 floats), two outputs: their sum and their product."""
     nodes = [
         helper.make_node("Add", ["a", "b"], ["sum"]),
         helper.make_node("Mul", ["a", "b"], ["product"]),
@@ -220,8 +236,12 @@ def test_two_inputs_and_two_outputs(tmp_path: Path) -> None:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    path = tmp_path / "pair.onnx"
     onnx.save(model, str(path))
+
+
+def test_two_inputs_and_two_outputs(tmp_path: Path) -> None:
+    path = tmp_path / "pair.onnx"
+    _pair_model(path)
     runner = OpenVINORunner(path)
     assert [s.name for s in runner.info.inputs] == ["a", "b"]
     assert [s.name for s in runner.info.outputs] == ["sum", "product"]
