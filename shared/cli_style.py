@@ -126,11 +126,19 @@ def _noting_json(
     return both
 
 
+class CommandLineOnly(click.Option):
+    """An option :func:`env_options` gives no environment variable: a filter or selector that a
+    variable meant for another program must not narrow silently (the control plane's
+    ``--profile`` would otherwise read ``MCP_PROFILE``, the agent's hardware profile, and a
+    rollout or a device list on a host that runs an agent would cover one profile only)."""
+
+
 def env_options(command: click.Command, prefix: str = "MCP") -> None:
-    """Give every option under ``command`` an environment variable, shown in its help."""
+    """Give every option under ``command`` an environment variable, shown in its help (not
+    :class:`CommandLineOnly` ones)."""
     for param in command.params:
         if isinstance(param, click.Option) and not param.hidden:
-            if param.envvar is None:
+            if param.envvar is None and not isinstance(param, CommandLineOnly):
                 param.envvar = env_name(param, prefix)
             if param.envvar is not None:
                 param.show_envvar = True

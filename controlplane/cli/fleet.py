@@ -24,6 +24,7 @@ from mcp_edge.controlplane.cli.client import (
     print_json,
     print_table,
 )
+from mcp_edge.shared.cli_style import CommandLineOnly
 
 ROLES = ["admin", "operator", "viewer"]
 STATUSES = ["preauthorized", "pending", "accepted", "rejected", "revoked", "online", "offline"]
@@ -286,7 +287,7 @@ DEVICE_HEADERS = [
 @devices.command("list")
 @api_options
 @click.option("--label", "labels", multiple=True, help="k=v or k; repeatable (all must match).")
-@click.option("--profile")
+@click.option("--profile", cls=CommandLineOnly, help="Devices of this hardware profile.")
 @click.option("--status", "statuses", multiple=True, type=click.Choice(STATUSES))
 @click.option("--group")
 @click.option("--model", help="Devices told to run this model, or reporting it.")

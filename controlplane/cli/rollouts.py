@@ -47,6 +47,7 @@ from mcp_edge.controlplane.cli.rollout_spec import (
 )
 from mcp_edge.controlplane.rollouts.model import DevicePhase, RolloutStatus, Stage
 from mcp_edge.controlplane.rollouts.spec import SpecError, parse_spec, plan_stage_sizes
+from mcp_edge.shared.cli_style import CommandLineOnly
 
 ENDED = tuple(s.value for s in RolloutStatus if s.ended)
 STATUSES = [s.value for s in RolloutStatus]
@@ -264,7 +265,13 @@ CREATE_HELP = (
 @click.option("--device", "devices", multiple=True, help="A device by id; repeatable.")
 @click.option("--group", help="Accepted devices of this group.")
 @click.option("--label", "labels", multiple=True, metavar="K=V", help="Repeatable; all must hold.")
-@click.option("--profile", "profiles", multiple=True, help="Devices of this profile; repeatable.")
+@click.option(
+    "--profile",
+    "profiles",
+    multiple=True,
+    cls=CommandLineOnly,
+    help="Devices of this profile; repeatable.",
+)
 @click.option(
     "--stage",
     "stage_flags",
