@@ -273,9 +273,14 @@ def test_a_deployment_is_one_trace_from_the_deploy_call_to_the_active_device(
         return [s for s in receiver.find(service="mcp-agent", name="deployment digits 1.0.0")
                 if s.attributes.get("mcp.outcome") == "active"]  # fmt: skip
 
+    def deploy_spans() -> list[Span]:
+        return receiver.find(service="mcp-controlplane", name="deploy digits 1.0.0")
+
     wait_until(deployed, "the device's deployment span, ended active", 120)
+    # Each process exports on its own schedule: the device's span may come first.
+    wait_until(deploy_spans, "the control plane's deploy span", 60)
     [device] = deployed()
-    [deploy] = receiver.find(service="mcp-controlplane", name="deploy digits 1.0.0")
+    [deploy] = deploy_spans()
     assert device.trace_id == deploy.trace_id and device.parent_id == deploy.span_id
     assert deploy.attributes["mcp.devices"] == 1 and not deploy.error
     assert device.attributes["mcp.device"] == "cam-t" and device.attributes["mcp.role"] == "stable"
